@@ -1,0 +1,1 @@
+"""Qwen3.5 executor: model, tokenizer, backends, runtime, server."""

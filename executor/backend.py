@@ -1,0 +1,66 @@
+"""The backend interface every executor backend implements (reference NumPy, numba-cuda).
+
+A backend runs the Qwen3.5 forward for streams whose per-stream state it owns: prefill
+of row ranges, one-row decode for many lanes, and snapshot/restore of kept states.
+Nothing here computes; see `executor/reference/backend.py` for the oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from executor.config import Qwen35Config
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One model loaded on one device.
+
+    Terms (DESIGN.md): a *state* at row P holds, for every linear-attention layer, the
+    fp32 recurrent matrix [value_heads, key_dim, value_dim] and the conv tail
+    [kernel - 1, conv_channels] at P, the full-attention layers' K/V rows [0, P), and the
+    logits of row P - 1 when the last call computed them. A *payload* is an immutable
+    copy of a state, kept in the prompt cache.
+
+    Contracts (tested): prefill in any chunks equals whole-prompt prefill to float
+    tolerance; restore(snapshot(s)) then continuing equals never stopping; a lane's
+    decode result does not depend on the other lanes.
+    """
+
+    config: Qwen35Config
+
+    def new_state(self) -> Any:
+        """An empty state at row 0."""
+
+    def prefill(
+        self, state: Any, token_ids: Sequence[int], rows: tuple[int, int], want_logits: bool = True
+    ) -> np.ndarray | None:
+        """Compute rows [a, b) of the prompt `token_ids` (the whole prompt, len >= b) into
+        `state`, which must hold rows [0, a); afterwards it holds [0, b).
+
+        Returns the float32 logits [vocab] of row b - 1 when want_logits, else None.
+        Raises ValueError naming the argument when rows or the state disagree.
+        """
+
+    def decode(self, states: Sequence[Any], token_ids: Sequence[int]) -> np.ndarray:
+        """One decode round: lane i feeds token_ids[i] at its state's row P and advances
+        to P + 1. Returns float32 logits [lanes, vocab]."""
+
+    def snapshot(self, state: Any) -> Any:
+        """An immutable payload of the state (the state stays usable)."""
+
+    def restore(self, payload: Any) -> Any:
+        """A fresh state equal to the one snapshotted (the payload stays reusable)."""
+
+    def payload_bytes(self, payload: Any) -> int:
+        """Bytes the payload occupies in the serving format: config.state_bytes(rows)."""
+
+    def state_bytes(self, state: Any) -> int:
+        """Bytes of a live state in the serving format: config.state_bytes(rows)."""
+
+
+def rows_of(state: Any) -> int:
+    """Row count a state or payload holds (both expose `.rows`)."""
+    return int(state.rows)

@@ -1,0 +1,161 @@
+"""Single-prompt generation (prefill, then decode until max_tokens or a stop token) and its
+CLI: `python -m executor.generate [--model DIR] --backend reference (--prompt TEXT |
+--chat FILE.json | --prompt-ids 1,2,3) --max-tokens N [--temperature T --top-p P
+--seed S] [--logprobs K] [--json]`. With no --model, the built-in tiny model.
+
+The server and the scheduler are elsewhere; this is the smallest end-to-end path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import structlog
+
+from executor.backend import Backend
+from executor.chat import ChatRenderer, load_template
+from executor.model import tiny_model_dir
+from executor.reference.backend import ReferenceBackend
+from executor.sampling import SamplingParams, new_rng, sample, top_logprobs
+from executor.tokenizer import load_tokenizer
+
+BACKENDS = ("reference",)
+
+
+@attrs.frozen(slots=True)
+class GenerateRequest:
+    """One generation: prompt ids, how many tokens at most, sampling and seed, stop ids."""
+
+    prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    max_tokens: int = 16
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    seed: int = 0
+    stop_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+
+@attrs.frozen(slots=True)
+class GenerateResult:
+    """Generated ids, per-token top log-probabilities (when asked) and why it stopped
+    ("stop": a stop token, included in tokens; "length": max_tokens reached)."""
+
+    tokens: tuple[int, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    finish_reason: str
+
+
+def generate(backend: Backend, request: GenerateRequest) -> GenerateResult:
+    """Prefill the whole prompt in one chunk, then decode one token per step."""
+    rng = new_rng(request.seed)
+    state = backend.new_state()
+    tokens: list[int] = []
+    reported: list[tuple[tuple[int, float], ...]] = []
+    if request.max_tokens == 0:
+        backend.prefill(state, request.prompt_ids, (0, len(request.prompt_ids)), want_logits=False)
+        return GenerateResult((), (), "length")
+    logits = backend.prefill(state, request.prompt_ids, (0, len(request.prompt_ids)))
+    finish = "length"
+    while True:
+        token = sample(logits, request.sampling, rng)
+        tokens.append(token)
+        if request.sampling.logprobs:
+            reported.append(tuple(top_logprobs(logits, request.sampling.logprobs)))
+        if token in request.stop_ids:
+            finish = "stop"
+            break
+        if len(tokens) >= request.max_tokens:
+            break
+        logits = backend.decode([state], [token])[0]
+    return GenerateResult(tuple(tokens), tuple(reported), finish)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    defaults = GenerateRequest(prompt_ids=(0,))
+    parser = argparse.ArgumentParser(prog="python -m executor.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny model)")
+    parser.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="raw prompt text (no chat template)")
+    source.add_argument("--chat", type=Path, help="JSON file: a message list, or {messages, tools, enable_thinking}")
+    source.add_argument("--prompt-ids", help="comma-separated token ids (works without a tokenizer)")
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--temperature", type=float, default=defaults.sampling.temperature)
+    parser.add_argument("--top-p", type=float, default=defaults.sampling.top_p)
+    parser.add_argument("--seed", type=int, help="sampling seed (default: drawn and reported)")
+    parser.add_argument("--logprobs", type=int, default=defaults.sampling.logprobs)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    model_dir = args.model or tiny_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    if args.prompt_ids is not None:
+        try:
+            prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            print(f"error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
+            return 2
+    elif tokenizer is None:
+        print(f"error: {model_dir} has no tokenizer.json; use --prompt-ids", file=sys.stderr)
+        return 2
+    elif args.prompt is not None:
+        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    else:
+        spec: Any = json.loads(args.chat.read_text(encoding="utf-8"))
+        spec = {"messages": spec} if isinstance(spec, list) else spec
+        renderer = ChatRenderer(tokenizer, load_template(model_dir))
+        prompt_ids = list(
+            renderer.render(spec["messages"], spec.get("tools"), enable_thinking=spec.get("enable_thinking", True)).token_ids
+        )
+    backend = ReferenceBackend.from_dir(model_dir)
+    stop = set(backend.config.eos_token_ids)
+    if tokenizer is not None and tokenizer.token_to_id("<|im_end|>") is not None:
+        stop.add(tokenizer.token_to_id("<|im_end|>"))
+    seed = args.seed if args.seed is not None else secrets.randbits(63)
+    try:
+        request = GenerateRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=args.max_tokens,
+            sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, logprobs=args.logprobs),
+            seed=seed,
+            stop_ids=stop,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = generate(backend, request)
+    text = tokenizer.decode(list(result.tokens), skip_special_tokens=False) if tokenizer is not None else None
+    if args.json:
+        out: dict[str, Any] = {
+            "tokens": list(result.tokens),
+            "text": text,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": len(prompt_ids),
+            "seed": seed,
+            "model": str(model_dir),
+            "backend": args.backend,
+        }
+        if args.logprobs:
+            out["top_logprobs"] = [[[i, lp] for i, lp in step] for step in result.top_logprobs]
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        print(text if text is not None else " ".join(map(str, result.tokens)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

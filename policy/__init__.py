@@ -1,0 +1,1 @@
+"""Pure-Python serving policy: chunk plans, usable rows, keeps, eviction, warm passes, tail."""

@@ -1,0 +1,1 @@
+"""Discrete-event simulator of the warmstate scheduler on a virtual clock."""

@@ -1,0 +1,120 @@
+"""One library call per CLI verb's unit of work: load inputs, simulate a run, report it."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+from typing import IO
+
+import attrs
+
+from policy.config import PolicyConfig, parse_policy
+from policy.usable import BackendFacts
+from sim.cost import Profile
+from sim.invariants import Checker
+from sim.loop import SimResult, Simulation
+from sim.summary import Summary
+from sim.trace import JsonlTrace, PerfettoTrace
+from sim.workload import Workload, read_workload
+
+DEFAULT_WORKLOAD = "mixed"
+
+
+def load_policy_file(path: str | Path | None) -> PolicyConfig:
+    """PolicyConfig from a TOML file of its fields; None gives the defaults (policies/default.toml)."""
+    if path is None:
+        return PolicyConfig()
+    return parse_policy(Path(path).read_text())
+
+
+def load_workload(spec: str, seed: int) -> Workload:
+    """A workload by spec: a scenario NAME (generated from `seed`), `mooncake:PATH`, or a JSONL path.
+
+    Raises ValueError naming the spec when it matches none.
+    """
+    from sim.mooncake import read_mooncake
+    from sim.scenarios import scenarios
+
+    if spec.startswith("mooncake:"):
+        return read_mooncake(spec.split(":", 1)[1])
+    if spec.endswith(".jsonl") or Path(spec).is_file():
+        return read_workload(spec)
+    gens = scenarios()
+    if spec not in gens:
+        raise ValueError(f"unknown workload {spec!r}: give one of {', '.join(sorted(gens))}, "
+                         "mooncake:PATH, or a .jsonl file")
+    return gens[spec](random.Random(seed))
+
+
+def facts_for(profile: Profile, invariant_rows: str | int | None = "profile") -> BackendFacts:
+    """Backend facts: the profile's, or `invariant_rows` (an int, or "none") when given."""
+    if invariant_rows == "profile":
+        return BackendFacts(profile.invariant_rows)
+    if invariant_rows is None or str(invariant_rows).lower() == "none":
+        return BackendFacts(None)
+    return BackendFacts(int(invariant_rows))
+
+
+@attrs.frozen
+class RunReport:
+    """A finished run: metrics by name, the result, per-request TTFT and cached tokens."""
+
+    metrics: dict[str, float]
+    result: SimResult
+    ttft_s: dict[str, float]
+    cached_tokens: dict[str, int]
+    events: int
+
+
+def simulate(
+    workload: Workload,
+    cfg: PolicyConfig,
+    profile: Profile,
+    facts: BackendFacts,
+    *,
+    trace: IO[str] | None = None,
+    perfetto: IO[str] | None = None,
+    check: bool = True,
+    fast_forward: bool = True,
+) -> RunReport:
+    """Run the scheduler over `workload` on the virtual clock; check invariants when `check`.
+
+    Raises sim.invariants.InvariantBroken when a DESIGN rule breaks.
+    """
+    summary = Summary()
+    sinks = [summary.event]
+    if trace is not None:
+        sinks.append(JsonlTrace(trace).event)
+    pf = PerfettoTrace() if perfetto is not None else None
+    if pf is not None:
+        sinks.append(pf.event)
+    requests: dict = {}
+    checker = Checker(cfg, facts, requests) if check else None
+    if checker is not None:
+        sinks.insert(0, checker.event)
+
+    def emit(e) -> None:
+        for sink in sinks:
+            sink(e)
+
+    sim = Simulation(workload, cfg, profile, facts, emit=emit, requests=requests,
+                     on_step=checker.step if checker is not None else None,
+                     fast_forward=fast_forward)
+    result = sim.run()
+    if checker is not None:
+        checker.finish()
+    if pf is not None:
+        pf.write(perfetto)
+    return RunReport(summary.metrics(result.store_bytes_peak), result,
+                     dict(summary.ttft_by_request), dict(summary.cached_by_request), summary.events)
+
+
+def git_commit() -> str:
+    """The checkout's commit (short), or "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,284 @@
+"""Profiles and the cost model: seconds for a prefill chunk, a decode round and a keep on one GPU.
+
+A profile (JSON, format in sim/README.md) holds a model shape and cost terms in one of two
+forms: "analytic" coefficients (derived from a model config and GPU ceilings by
+bench/make_profiles.py) or a "table" of measured points (bench/profile.py on a GPU),
+interpolated. Not here: the simulator's clock and scheduling (`sim.loop`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+
+from policy.shape import ModelShape
+from policy.usable import BackendFacts
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "qwen3.5-9b-h200"
+SOURCES = ("analytic", "measured")
+
+
+def _number(obj: dict[str, Any], key: str, where: str, *, lo: float = 0.0, hi: float = math.inf,
+            integer: bool = False, open_lo: bool = False) -> Any:
+    v = obj.get(key)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (not integer or isinstance(v, int))
+    if not ok or not ((v > lo) if open_lo else (v >= lo)) or v > hi:
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{where}{key}: must be {kind} in {'(' if open_lo else '['}{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _keys(obj: Any, where: str, required: Sequence[str], optional: Sequence[str] = ()) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where.rstrip('.') or 'profile'}: must be a JSON object, got {obj!r}")
+    for key in required:
+        if key not in obj:
+            raise ValueError(f"{where}{key}: missing")
+    unknown = sorted(set(obj) - set(required) - set(optional))
+    if unknown:
+        raise ValueError(f"{where}{unknown[0]}: unknown key; known: {', '.join([*required, *optional])}")
+    return obj
+
+
+@attrs.frozen(kw_only=True)
+class AnalyticCost:
+    """Roofline coefficients; the formulas are in Profile's methods' docstrings.
+
+    matrix_flops_per_s: peak bf16 matrix FLOP/s. matrix_efficiency: fraction of it reached, (0, 1].
+    copy_bytes_per_s: device-memory bandwidth, bytes/s. weight_bytes: weights read per chunk or
+    round (non-embedding + LM head). dense_flops_per_row: 2 x active non-embedding params.
+    logits_flops_per_row: 2 x hidden x vocab (decode lanes). attention_flops_per_pair:
+    4 x q_heads x head_dim x attention_layers, per (query row, key row). linear_flops_per_row:
+    the chunked gated delta rule over every linear layer. chunk_overhead_s / round_overhead_s:
+    fixed seconds added to every prefill chunk / decode round.
+    """
+
+    matrix_flops_per_s: float
+    matrix_efficiency: float
+    copy_bytes_per_s: float
+    weight_bytes: int
+    dense_flops_per_row: float
+    logits_flops_per_row: float
+    attention_flops_per_pair: float
+    linear_flops_per_row: float
+    chunk_overhead_s: float
+    round_overhead_s: float
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        """max(flops / (peak x efficiency), bytes / bandwidth): the roofline."""
+        return max(flops / (self.matrix_flops_per_s * self.matrix_efficiency), nbytes / self.copy_bytes_per_s)
+
+
+@attrs.frozen(kw_only=True)
+class Grid:
+    """Measured seconds over a 2-D grid: seconds[i][j] at (x[i], y[j]), axes strictly ascending.
+
+    `at(x, y)` interpolates bilinearly; below an axis's first point it holds the edge value,
+    above its last it extends the last segment linearly; never below 0.
+    """
+
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def at(self, x: float, y: float) -> float:
+        """Interpolated seconds at (x, y)."""
+        (i0, i1, wi), (j0, j1, wj) = _weights(self.x, x), _weights(self.y, y)
+        s = self.seconds
+        low = (1 - wj) * s[i0][j0] + wj * s[i0][j1]
+        high = (1 - wj) * s[i1][j0] + wj * s[i1][j1]
+        return max(0.0, (1 - wi) * low + wi * high)
+
+
+def _weights(axis: tuple[float, ...], v: float) -> tuple[int, int, float]:
+    if len(axis) == 1 or v <= axis[0]:
+        return 0, 0, 0.0
+    i = min(bisect.bisect_right(axis, v), len(axis) - 1)
+    return i - 1, i, (v - axis[i - 1]) / (axis[i] - axis[i - 1])
+
+
+@attrs.frozen(kw_only=True)
+class TableCost:
+    """Measured points: prefill seconds over (chunk rows, prior context rows); decode-round
+    seconds over (lanes, mean context rows); keeps at copy_bytes_per_s."""
+
+    prefill: Grid
+    decode: Grid
+    copy_bytes_per_s: float
+
+
+@attrs.frozen(kw_only=True)
+class Profile:
+    """A cost profile for one model on one GPU.
+
+    name; source: "analytic" or "measured"; gpu; model (e.g. "Qwen/Qwen3.5-9B"); shape: the
+    ModelShape that prices states; invariant_rows: the backend's proven invariant grid or None;
+    cost: AnalyticCost or TableCost; notes: free text (where the numbers come from).
+    """
+
+    name: str
+    source: str
+    gpu: str
+    model: str
+    shape: ModelShape
+    invariant_rows: int | None
+    cost: AnalyticCost | TableCost
+    notes: str = ""
+
+    @property
+    def facts(self) -> BackendFacts:
+        """The backend facts the policy uses for this profile."""
+        return BackendFacts(self.invariant_rows)
+
+    def prefill_s(self, rows: int, context: int) -> float:
+        """Seconds to prefill a chunk of `rows` rows whose first row has `context` rows before it.
+
+        Analytic: max(F / (peak x eff), B / bw) + chunk_overhead_s with
+          F = rows x (dense + linear flops per row) + pair flops x rows x (context + rows / 2),
+          B = weight_bytes + (context + rows) x K/V row bytes + 2 x fixed state bytes (read, write).
+        Table: the prefill grid at (rows, context).
+        Raises ValueError: rows < 1 or context < 0.
+        """
+        if rows < 1 or context < 0:
+            raise ValueError(f"prefill_s needs rows >= 1 and context >= 0, got rows={rows}, context={context}")
+        c = self.cost
+        if isinstance(c, TableCost):
+            return c.prefill.at(rows, context)
+        flops = rows * (c.dense_flops_per_row + c.linear_flops_per_row) + c.attention_flops_per_pair * rows * (context + rows / 2)
+        nbytes = c.weight_bytes + (context + rows) * self.shape.row_bytes + 2 * self.shape.fixed_bytes
+        return c.seconds(flops, nbytes) + c.chunk_overhead_s
+
+    def decode_round_s(self, lanes: int, contexts: Sequence[int]) -> float:
+        """Seconds for one decode step of `lanes` lanes; contexts[i]: rows lane i already holds.
+
+        Analytic: max(F / (peak x eff), B / bw) + round_overhead_s with, over lanes,
+          F = lanes x (dense + logits + linear flops per row) + pair flops x sum(context + 1),
+          B = weight_bytes + sum(context + 1) x K/V row bytes + lanes x 2 x fixed state bytes.
+        Table: the decode grid at (lanes, mean context). 0 lanes: 0.0.
+        Raises ValueError: len(contexts) != lanes or a context < 0.
+        """
+        if lanes != len(contexts) or any(ctx < 0 for ctx in contexts):
+            raise ValueError(f"decode_round_s needs one context >= 0 per lane, got lanes={lanes}, contexts={list(contexts)[:8]}")
+        if lanes == 0:
+            return 0.0
+        c = self.cost
+        if isinstance(c, TableCost):
+            return c.decode.at(lanes, sum(contexts) / lanes)
+        keys = sum(contexts) + lanes
+        flops = lanes * (c.dense_flops_per_row + c.logits_flops_per_row + c.linear_flops_per_row) + c.attention_flops_per_pair * keys
+        nbytes = c.weight_bytes + keys * self.shape.row_bytes + lanes * 2 * self.shape.fixed_bytes
+        return c.seconds(flops, nbytes) + c.round_overhead_s
+
+    def keep_s(self, nbytes: int) -> float:
+        """Seconds to copy a kept state of `nbytes` bytes from the device to the pool: bytes / bw.
+
+        Raises ValueError: nbytes < 0.
+        """
+        if nbytes < 0:
+            raise ValueError(f"keep_s needs nbytes >= 0, got {nbytes}")
+        return nbytes / self.cost.copy_bytes_per_s
+
+
+_ANALYTIC_INTS = ("weight_bytes",)
+
+
+def _cost_from_dict(obj: Any) -> AnalyticCost | TableCost:
+    where = "cost."
+    form = obj.get("form") if isinstance(obj, dict) else None
+    if form == "analytic":
+        names = [a.name for a in attrs.fields(AnalyticCost)]
+        _keys(obj, where, ["form", *names])
+        values = {n: _number(obj, n, where, integer=n in _ANALYTIC_INTS) for n in names}
+        for n in ("matrix_flops_per_s", "copy_bytes_per_s"):
+            _number(obj, n, where, open_lo=True)
+        _number(obj, "matrix_efficiency", where, hi=1.0, open_lo=True)
+        return AnalyticCost(**values)
+    if form == "table":
+        _keys(obj, where, ["form", "prefill", "decode", "copy_bytes_per_s"])
+        return TableCost(prefill=_grid(obj["prefill"], "cost.prefill.", "rows", "context"),
+                         decode=_grid(obj["decode"], "cost.decode.", "lanes", "context"),
+                         copy_bytes_per_s=_number(obj, "copy_bytes_per_s", where, open_lo=True))
+    raise ValueError(f"cost.form: must be \"analytic\" or \"table\", got {form!r}")
+
+
+def _grid(obj: Any, where: str, x_name: str, y_name: str) -> Grid:
+    _keys(obj, where, [x_name, y_name, "seconds"])
+    axes = []
+    for name in (x_name, y_name):
+        axis = obj[name]
+        ok = isinstance(axis, list) and axis and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in axis)
+        if not ok or any(a >= b for a, b in zip(axis, axis[1:])):
+            raise ValueError(f"{where}{name}: must be a non-empty, strictly ascending list of numbers >= 0, got {axis!r}")
+        axes.append(tuple(float(v) for v in axis))
+    table = obj["seconds"]
+    if not isinstance(table, list) or len(table) != len(axes[0]):
+        raise ValueError(f"{where}seconds: must be a list of {len(axes[0])} rows (one per {x_name} point)")
+    for i, row in enumerate(table):
+        ok = isinstance(row, list) and len(row) == len(axes[1])
+        if not ok or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in row):
+            raise ValueError(f"{where}seconds[{i}]: must be {len(axes[1])} numbers >= 0 (one per {y_name} point), got {row!r}")
+    return Grid(x=axes[0], y=axes[1], seconds=tuple(tuple(float(v) for v in row) for row in table))
+
+
+def profile_from_dict(obj: Any) -> Profile:
+    """A Profile from its JSON object (sim/README.md). Raises ValueError naming the field."""
+    _keys(obj, "", ["name", "source", "gpu", "model", "shape", "invariant_rows", "cost"], ["notes"])
+    for key in ("name", "gpu", "model", "notes"):
+        if key in obj and not isinstance(obj[key], str):
+            raise ValueError(f"{key}: must be a string, got {obj[key]!r}")
+    if obj["source"] not in SOURCES:
+        raise ValueError(f"source: must be one of {SOURCES}, got {obj['source']!r}")
+    g = obj["invariant_rows"]
+    if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
+        raise ValueError(f"invariant_rows: must be null or a positive integer, got {g!r}")
+    names = [a.name for a in attrs.fields(ModelShape)]
+    shape = _keys(obj["shape"], "shape.", names[:9], names[9:])
+    try:
+        model_shape = ModelShape(**shape)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"shape.{e}") from None
+    return Profile(name=obj["name"], source=obj["source"], gpu=obj["gpu"], model=obj["model"], shape=model_shape,
+                   invariant_rows=g, cost=_cost_from_dict(obj["cost"]), notes=obj.get("notes", ""))
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The JSON object of `profile`; profile_from_dict reads it back equal."""
+    c = profile.cost
+    if isinstance(c, AnalyticCost):
+        cost: dict[str, Any] = {"form": "analytic", **attrs.asdict(c)}
+    else:
+        cost = {"form": "table", "copy_bytes_per_s": c.copy_bytes_per_s,
+                "prefill": {"rows": list(c.prefill.x), "context": list(c.prefill.y), "seconds": [list(r) for r in c.prefill.seconds]},
+                "decode": {"lanes": list(c.decode.x), "context": list(c.decode.y), "seconds": [list(r) for r in c.decode.seconds]}}
+    return {"name": profile.name, "source": profile.source, "gpu": profile.gpu, "model": profile.model,
+            "invariant_rows": profile.invariant_rows, "shape": attrs.asdict(profile.shape), "cost": cost,
+            "notes": profile.notes}
+
+
+def list_profiles() -> tuple[str, ...]:
+    """Names of the shipped profiles (sim/profiles/*.json), sorted."""
+    return tuple(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+
+
+def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
+    """A shipped profile by name (see list_profiles; default qwen3.5-9b-h200) or a JSON file.
+
+    Raises:
+      ValueError: neither a shipped name nor a file, bad JSON, or a bad field (named, with the file).
+    """
+    text = str(name_or_path)
+    path = PROFILE_DIR / f"{text}.json" if text in list_profiles() else Path(text)
+    if not path.is_file():
+        raise ValueError(f"profile {text!r}: not a shipped profile ({', '.join(list_profiles())}) nor a file")
+    try:
+        return profile_from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON: {e.msg} (line {e.lineno})") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,92 @@
+"""Prompt digests: equal prefixes give equal digests, different tokens different ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from policy.prefix import BLOCK_ROWS, DIGEST_BYTES, Prompt, Run
+
+TOKENS = tuple(range(1000, 1300))  # 300 rows: 4 whole blocks of 64 and 44 rows
+
+
+def test_from_tokens_cuts_absolute_blocks():
+    p = Prompt.from_tokens(TOKENS)
+    assert len(p) == 300
+    assert p.run_ends == (0, 64, 128, 192, 256, 300)
+    assert p.digest(0) == b""  # the empty prefix, shared by every prompt
+    assert all(len(p.digest(r)) == DIGEST_BYTES for r in (1, 63, 64, 65, 300))
+    assert BLOCK_ROWS == 64
+
+
+@pytest.mark.parametrize(
+    "split",
+    [(300,), (1, 299), (63, 237), (65, 235), (100, 100, 100), (299, 1), (64, 64, 172)],
+    ids=["whole", "1+299", "63+237", "65+235", "3x100", "299+1", "64+64+172"],
+)
+def test_real_token_digests_ignore_run_splitting(split):
+    ref = Prompt.from_tokens(TOKENS)
+    runs, a = [], 0
+    for n in split:
+        runs.append(Run(0, n, TOKENS[a : a + n]))
+        a += n
+    p = Prompt(tuple(runs))
+    assert p == ref
+    assert [p.digest(r) for r in range(301)] == [ref.digest(r) for r in range(301)]
+
+
+@pytest.mark.parametrize("cut", [1, 63, 64, 65, 200, 299], ids=lambda c: f"at-{c}")
+def test_extend_and_prefix_keep_digests(cut):
+    ref = Prompt.from_tokens(TOKENS)
+    head = Prompt.from_tokens(TOKENS[:cut])
+    grown = head.extend([Run(0, 300 - cut, TOKENS[cut:])])
+    assert [grown.digest(r) for r in range(301)] == [ref.digest(r) for r in range(301)]
+    assert ref.prefix(cut) == head
+    assert ref.prefix(cut).digest(cut) == ref.digest(cut)
+
+
+def test_longer_prompt_shares_digests_of_its_prefix():
+    short = Prompt.from_tokens(TOKENS[:130])
+    long = Prompt.from_tokens(TOKENS + (7, 8, 9))
+    assert all(short.digest(r) == long.digest(r) for r in range(131))
+
+
+@pytest.mark.parametrize("where", [0, 1, 63, 64, 65, 129, 299], ids=lambda w: f"token-{w}")
+def test_different_tokens_give_different_digests(where):
+    other = list(TOKENS)
+    other[where] += 1
+    a, b = Prompt.from_tokens(TOKENS), Prompt.from_tokens(other)
+    assert all(a.digest(r) == b.digest(r) for r in range(where + 1))
+    assert all(a.digest(r) != b.digest(r) for r in range(where + 1, 301))
+
+
+def test_digest_rejects_rows_outside():
+    p = Prompt.from_tokens(TOKENS[:10])
+    for row in (-1, 11):
+        with pytest.raises(ValueError, match=f"row {row} outside"):
+            p.digest(row)
+    with pytest.raises(ValueError, match="row 11 outside"):
+        p.prefix(11)
+
+
+def test_synthetic_runs_name_first_rows_of_content():
+    a = Prompt.synthetic([(1, 100), (2, 50)])
+    b = Prompt.synthetic([(1, 100), (2, 80)])
+    c = Prompt.synthetic([(1, 60), (1, 40)])  # rows 0..59 of content 1, then its rows 0..39
+    assert a.runs == (Run(1, 100), Run(2, 50))  # synthetic runs are kept as given
+    assert all(a.digest(r) == b.digest(r) for r in range(151))
+    assert a.digest(60) == c.digest(60)
+    assert a.digest(61) != c.digest(61)
+    assert a.prefix(120).digest(120) == a.digest(120)
+
+
+def test_synthetic_and_real_runs_never_collide():
+    real = Prompt((Run(0, 3, (1, 2, 3)),))
+    synthetic = Prompt.synthetic([(0, 3)])
+    assert real.digest(3) != synthetic.digest(3)
+
+
+def test_run_validation():
+    with pytest.raises(ValueError, match="rows must be > 0"):
+        Run(0, 0)
+    with pytest.raises(ValueError, match="tokens has 2 ids but rows is 3"):
+        Run(0, 3, (1, 2))
