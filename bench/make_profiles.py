@@ -11,10 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from policy.shape import ModelShape  # noqa: E402
-from sim.cost import AnalyticCost, Profile, profile_to_dict  # noqa: E402
+from policy.shape import ModelShape
+from sim.cost import AnalyticCost, Profile, profile_to_dict
 
 MATRIX_FLOPS_PER_S = 770e12
 """cuBLAS bf16 GEMM through nvmath-python on the H200 here (device/README.md)."""
@@ -56,13 +54,15 @@ CONFIGS = {
 DeltaNet. Vision tower and MTP head are not counted (text serving)."""
 
 
+_SHAPE_KEYS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+               "linear_conv_kernel_dim", "num_key_value_heads", "head_dim")
+
+
 def shape_of(cfg: dict) -> ModelShape:
     """The state-sizing shape of a config (full attention every 4th layer)."""
     attention = cfg["num_hidden_layers"] // 4
     return ModelShape(linear_layers=cfg["num_hidden_layers"] - attention, attention_layers=attention,
-                      **{k: cfg[k] for k in ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
-                                             "linear_value_head_dim", "linear_conv_kernel_dim", "num_key_value_heads",
-                                             "head_dim")})
+                      **{k: cfg[k] for k in _SHAPE_KEYS})
 
 
 def layer_params(cfg: dict, shape: ModelShape) -> tuple[int, int]:
@@ -79,7 +79,8 @@ def layer_params(cfg: dict, shape: ModelShape) -> tuple[int, int]:
     v = shape.linear_num_value_heads
     vd = v * shape.linear_value_head_dim
     ch = shape.conv_channels
-    linear = h * ch + h * vd + 2 * h * v + ch * shape.linear_conv_kernel_dim + 2 * v + shape.linear_value_head_dim + vd * h
+    linear = (h * ch + h * vd + 2 * h * v + ch * shape.linear_conv_kernel_dim + 2 * v
+              + shape.linear_value_head_dim + vd * h)
     common = 3 * h * cfg["intermediate_size"] + 2 * h
     body = shape.attention_layers * (attn + common) + shape.linear_layers * (linear + common) + h
     return body, h * cfg["vocab_size"]
@@ -104,7 +105,8 @@ def make_profile(key: str) -> Profile:
     body, head = layer_params(cfg, shape)
     layers = cfg["num_hidden_layers"]
     cost = AnalyticCost(
-        matrix_flops_per_s=MATRIX_FLOPS_PER_S, matrix_efficiency=MATRIX_EFFICIENCY, copy_bytes_per_s=COPY_BYTES_PER_S,
+        matrix_flops_per_s=MATRIX_FLOPS_PER_S, matrix_efficiency=MATRIX_EFFICIENCY,
+        copy_bytes_per_s=COPY_BYTES_PER_S,
         weight_bytes=2 * (body + head), dense_flops_per_row=2.0 * body, logits_flops_per_row=2.0 * head,
         attention_flops_per_pair=4.0 * cfg["num_attention_heads"] * cfg["head_dim"] * shape.attention_layers,
         linear_flops_per_row=float(delta_flops_per_row(shape)),
@@ -126,7 +128,8 @@ def main(out_dir: Path) -> None:
         path.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n", encoding="utf-8")
         decode = profile.decode_round_s(1, [0])
         print(f"{path}: decode 1 lane {decode * 1e3:.2f} ms (1/{1 / decode:.0f} s), "
-              f"prefill 32K {profile.prefill_s(32768, 0):.2f} s, prefill 4K {profile.prefill_s(4096, 0) * 1e3:.0f} ms")
+              f"prefill 32K {profile.prefill_s(32768, 0):.2f} s, "
+              f"prefill 4K {profile.prefill_s(4096, 0) * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ from executor.tokenizer import token_id
 
 IM_START = "<|im_start|>"
 TEMPLATE_FILE = "chat_template.jinja"
-_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou have access to the following functions:\n\n<tools>"
-)
+_TOOLS_PREAMBLE = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
 _TOOLS_FORMAT = (
     "\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
     "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
@@ -99,7 +97,8 @@ def _content_text(content: Any, field: str) -> str:
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Copies of the messages with tool-call `arguments` given as JSON strings (the
-    OpenAI wire form) parsed into dicts, key order kept as generated (never sorted).
+    OpenAI wire form) parsed into dicts, key order kept as generated (never sorted), and
+    a `reasoning` string (the newer OpenAI-style name) copied to `reasoning_content`.
 
     Raises ChatError naming the field (e.g. "messages[2].tool_calls[0].function.arguments").
     """
@@ -108,6 +107,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ChatError(f"messages[{i}].role: missing or not a string")
         message = dict(message)
+        if isinstance(message.get("reasoning"), str) and not isinstance(message.get("reasoning_content"), str):
+            message["reasoning_content"] = message["reasoning"]
         calls = message.get("tool_calls")
         if calls:
             fixed = []
@@ -138,7 +139,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     """Hugging Face's tojson: key order kept, no HTML escaping (jinja's own sorts keys)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -237,22 +240,31 @@ def _raise(message: str) -> None:
     raise ChatError(message)
 
 
-def render_text_jinja(
-    template: str,
-    messages: Sequence[Mapping[str, Any]],
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    add_generation_prompt: bool = True,
-    enable_thinking: bool = True,
-) -> str:
-    """Render with a jinja chat template the way transformers' apply_chat_template does
-    (sandboxed, trim_blocks, lstrip_blocks, order-keeping tojson, raise_exception)."""
+def compile_template(template: str) -> jinja2.Template:
+    """Compile a chat template the way transformers' apply_chat_template does (sandboxed,
+    trim_blocks, lstrip_blocks, loop controls, order-keeping tojson, raise_exception).
+    Raises ChatError when the template does not parse."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     try:
-        compiled = env.from_string(template)
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise ChatError(f"chat template: {exc}") from None
+
+
+def render_text_jinja(
+    template: str | jinja2.Template,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = True,
+) -> str:
+    """Render normalized messages with a jinja chat template (source or `compile_template`)."""
+    compiled = compile_template(template) if isinstance(template, str) else template
+    try:
         return compiled.render(
             messages=list(messages),
             tools=list(tools) if tools else None,
@@ -270,6 +282,11 @@ class ChatRenderer:
 
     tokenizer: Tokenizer
     template: str | None = None
+    _compiled: jinja2.Template | None = attrs.field(init=False, default=None, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.template is not None:
+            object.__setattr__(self, "_compiled", compile_template(self.template))
 
     def text(
         self,
@@ -281,7 +298,7 @@ class ChatRenderer:
         normalized = normalize_messages(messages)
         if self.template is None:
             return render_text_native(normalized, tools, add_generation_prompt, enable_thinking)
-        return render_text_jinja(self.template, normalized, tools, add_generation_prompt, enable_thinking)
+        return render_text_jinja(self._compiled, normalized, tools, add_generation_prompt, enable_thinking)
 
     def encode(self, text: str) -> Rendered:
         """Tokenize rendered text; starts are the rows of its `<|im_start|>` tokens."""
@@ -325,5 +342,5 @@ class ChatRenderer:
         full = self.render([*history, reply, probe], tools, add_generation_prompt=False)
         end = full.starts[-1]
         ids = full.token_ids[:end]
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        text = full.text[: full.text.rindex(IM_START)]  # the probe block is the last one
         return Rendered(text, ids, tuple(s for s in full.starts if s < end))

@@ -238,9 +238,7 @@ def _layer_types_from(text: dict[str, Any], num_layers: int, source: str, prefix
             source, prefix + "layer_types", f"has {len(layer_types)} entries but num_hidden_layers is {num_layers}"
         )
     if from_interval is not None and tuple(layer_types) != from_interval:
-        raise _field_error(
-            source, prefix + "layer_types", f"contradicts full_attention_interval {interval}"
-        )
+        raise _field_error(source, prefix + "layer_types", f"contradicts full_attention_interval {interval}")
     return tuple(layer_types)
 
 
@@ -306,7 +304,9 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> Qwen35Conf
             raise _field_error(source, "text_config", "missing or not an object")
         inner_type = text.get("model_type", family.value + "_text")
         if _TEXT_TYPES.get(inner_type) is not family:
-            raise _field_error(source, "text_config.model_type", f"{inner_type!r} contradicts model_type {model_type!r}")
+            raise _field_error(
+                source, "text_config.model_type", f"{inner_type!r} contradicts model_type {model_type!r}"
+            )
     elif model_type in _TEXT_TYPES:
         family, nested, prefix, text = _TEXT_TYPES[model_type], False, "", raw
     else:
@@ -334,9 +334,14 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> Qwen35Conf
         if text.get(name) is not None and text[name] is not expected:
             raise _field_error(source, prefix + name, f"unsupported value {text[name]!r} (expected {expected!r})")
 
-    tie_values = {k: v for k, v in (("tie_word_embeddings", raw.get("tie_word_embeddings")),
-                                    (prefix + "tie_word_embeddings", text.get("tie_word_embeddings")))
-                  if v is not None}
+    tie_values = {
+        k: v
+        for k, v in (
+            ("tie_word_embeddings", raw.get("tie_word_embeddings")),
+            (prefix + "tie_word_embeddings", text.get("tie_word_embeddings")),
+        )
+        if v is not None
+    }
     for field, value in tie_values.items():
         _checked(value, source, field, bool)
     if len(set(tie_values.values())) > 1:
@@ -365,7 +370,9 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> Qwen35Conf
             _checked(text["intermediate_size"], source, prefix + "intermediate_size", int)
         mlp_only = text.get("mlp_only_layers") or []
         if mlp_only:
-            raise _field_error(source, prefix + "mlp_only_layers", f"dense layers inside a MoE model are not supported: {mlp_only!r}")
+            raise _field_error(
+                source, prefix + "mlp_only_layers", f"dense layers inside a MoE model are not supported: {mlp_only!r}"
+            )
         step = text.get("decoder_sparse_step", 1)
         if step != 1:
             raise _field_error(source, prefix + "decoder_sparse_step", f"unsupported value {step!r} (expected 1)")

@@ -80,6 +80,16 @@ def generate(backend: Backend, request: GenerateRequest) -> GenerateResult:
     return GenerateResult(tuple(tokens), tuple(reported), finish)
 
 
+class _CurrentStderr:
+    """Logs go to whatever sys.stderr is at write time (stdout carries the JSON)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = GenerateRequest(prompt_ids=(0,))
     parser = argparse.ArgumentParser(prog="python -m executor.generate", description=__doc__.splitlines()[0])
@@ -100,7 +110,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()))
     model_dir = args.model or tiny_model_dir()
     tokenizer = load_tokenizer(model_dir)
     if args.prompt_ids is not None:
@@ -119,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = {"messages": spec} if isinstance(spec, list) else spec
         renderer = ChatRenderer(tokenizer, load_template(model_dir))
         prompt_ids = list(
-            renderer.render(spec["messages"], spec.get("tools"), enable_thinking=spec.get("enable_thinking", True)).token_ids
+            renderer.render(
+                spec["messages"], spec.get("tools"), enable_thinking=spec.get("enable_thinking", True)
+            ).token_ids
         )
     backend = ReferenceBackend.from_dir(model_dir)
     stop = set(backend.config.eos_token_ids)

@@ -60,7 +60,8 @@ def random_tensors(config: Qwen35Config, seed: int) -> dict[str, np.ndarray]:
     """Deterministic float32 weights for every expected tensor (canonical names).
 
     Scales keep activations O(1) so logits are well spread: projections ~ N(0, 1/fan_in),
-    embeddings ~ N(0, 1) (N(0, 9/hidden) when tied, as they are the lm_head), norm weights ~ N(0, 0.1) (zero-centred norms) or 1 + N(0, 0.1)
+    embeddings ~ N(0, 1) (N(0, 9/hidden) when tied, as they are the lm_head),
+    norm weights ~ N(0, 0.1) (zero-centred norms) or 1 + N(0, 0.1)
     (the gated norm), A = exp(A_log) in [0.05, 1.5], dt_bias ~ N(0, 0.5), lm_head scaled
     for logits of std ~ 3.
     """
@@ -111,9 +112,7 @@ def random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(to_hf_dict(shape), indent=2) + "\n", encoding="utf-8")
-    tensors = {
-        checkpoint_name(name, shape.nested): value for name, value in random_tensors(shape, seed).items()
-    }
+    tensors = {checkpoint_name(name, shape.nested): value for name, value in random_tensors(shape, seed).items()}
     encoded = {}
     for name, value in {**tensors, **(extra_tensors or {})}.items():
         dtype = "float32" if shape.dtype == "float32" else "bfloat16"

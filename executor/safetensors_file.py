@@ -93,7 +93,9 @@ def load_tensor(entry: TensorEntry) -> np.ndarray:
     return np.memmap(entry.file, dtype=np_dtype, mode="r", offset=entry.begin, shape=entry.shape)
 
 
-def write_file(path: str | Path, tensors: Mapping[str, tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> None:
+def write_file(
+    path: str | Path, tensors: Mapping[str, tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None
+) -> None:
     """Write tensors {name: (dtype name, array)}; bf16 arrays must be uint16 bits.
 
     Tensors are written in the mapping's order; the header is padded to 8 bytes.

@@ -30,6 +30,11 @@ def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: int) -> 
         raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
 
 
+def _positive_number(instance: Any, attribute: attrs.Attribute, value: int | float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a number > 0 (inf: no decay), got {value!r}")
+
+
 def _boolean(instance: Any, attribute: attrs.Attribute, value: bool) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
@@ -66,7 +71,7 @@ class PolicyConfig:
     prompt_cache_bytes: int = attrs.field(default=64 * GIB, validator=_non_negative_int)
     lanes: int = attrs.field(default=16, validator=_positive)
     queue_rows: int = attrs.field(default=1024, validator=_positive)
-    idle_half_life_s: float = attrs.field(default=600.0, validator=_non_negative)
+    idle_half_life_s: float = attrs.field(default=600.0, validator=_positive_number)
 
     @property
     def cache_enabled(self) -> bool:

@@ -137,8 +137,21 @@ class Prompt:
         return _hash(self._chain[i], self.runs[i].payload(row - self._ends[i]))
 
     def extend(self, runs: Iterable[Run]) -> Prompt:
-        """This prompt followed by `runs`."""
-        return Prompt(self.runs + tuple(runs))
+        """This prompt followed by `runs`; synthetic runs reuse this prompt's digest chain."""
+        more = tuple(runs)
+        if not more:
+            return self
+        if any(r.tokens is not None for r in more) or any(r.tokens is not None for r in self.runs[-1:]):
+            return Prompt(self.runs + more)
+        ends, chain = list(self._ends), list(self._chain)
+        for run in more:
+            ends.append(ends[-1] + run.rows)
+            chain.append(_hash(chain[-1], run.payload(run.rows)))
+        out = object.__new__(Prompt)
+        object.__setattr__(out, "runs", self.runs + more)
+        object.__setattr__(out, "_ends", tuple(ends))
+        object.__setattr__(out, "_chain", tuple(chain))
+        return out
 
     def prefix(self, row: int) -> Prompt:
         """The first `row` rows, with the same digests as this prompt for rows <= `row`."""

@@ -186,7 +186,11 @@ class Scheduler:
 
     def commit(self, step: Step, now: float, stopped: frozenset[int] = frozenset()) -> list[object]:
         """`step` finished at `now`; `stopped` lanes hit a stop token. Returns runner effects."""
-        assert step is self._inflight, "commit of a step that is not in flight"
+        inflight = self._inflight
+        assert inflight is not None and attrs.evolve(step, rounds=1) == inflight, \
+            "commit of a step that is not in flight"
+        assert step.rounds == 1 or (step.prefill is None and not step.restores), \
+            "several rounds only in a decode-only step"
         self._inflight = None
         effects: list[object] = []
         if step.prefill is not None:
@@ -409,10 +413,11 @@ class Scheduler:
         if result.entry is None:
             self._emit(ev.KeepRefused(t=now, stream=p.stream, conversation=p.conversation,
                                       row=keep.row, reason=result.reason))
-        elif result.reason == "kept":
+        elif result.reason in ("kept", "logits_added"):
+            added = self.store.entry_bytes(result.entry) if result.reason == "kept" else 0
             self._emit(ev.StateKept(t=now, stream=p.stream, conversation=p.conversation,
-                                    entry=result.entry.id, row=keep.row,
-                                    bytes=self.store.entry_bytes(result.entry), logits=keep.with_logits))
+                                    entry=result.entry.id, row=keep.row, bytes=added,
+                                    logits=keep.with_logits))
             effects.append(Kept(p.stream, result.entry))
         return effects
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
+import math
 from typing import Any, Iterator
 
 import attrs
@@ -55,11 +57,12 @@ class Entry:
     pins: int = 0
     live: bool = True
     payload: Any = None
+    version: int = 0
 
     @property
-    def key(self) -> tuple[bytes, Fingerprint, bool]:
-        """What makes two kept states at one row the same state."""
-        return (self.digest, self.fingerprint, self.has_logits)
+    def key(self) -> tuple[bytes, Fingerprint]:
+        """What makes two kept states at one row the same state (logits are an extra)."""
+        return (self.digest, self.fingerprint)
 
 
 @attrs.frozen
@@ -95,26 +98,36 @@ class Store:
         self.bytes_used = 0
         self.bytes_peak = 0
         self._next_id = 0
-        self._by_row: dict[int, dict[tuple[bytes, Fingerprint, bool], Entry]] = {}
+        self._by_row: dict[int, dict[tuple[bytes, Fingerprint], Entry]] = {}
         self._rows: list[int] = []
+        self._fixed = shape.fixed_bytes
+        self._row_bytes = shape.row_bytes
+        self._live = 0
+        self._pinned: dict[int, Entry] = {}
+        # Eviction order as a lazy heap of (rank, id, version): a stale version is skipped.
+        self._heap: list[tuple[float, int, int]] = []
+        self._by_id: dict[int, Entry] = {}
 
     # --- reading -----------------------------------------------------------------
     def __len__(self) -> int:
-        return sum(1 for e in self.entries() if e.live)
+        """Live (resumable) entries."""
+        return self._live
 
     def entries(self) -> Iterator[Entry]:
         """Every entry, live and ghost, by row then id."""
         for row in self._rows:
-            yield from sorted(self._by_row[row].values(), key=lambda e: e.id)
+            yield from self._by_row[row].values()
 
     def entry_bytes(self, entry: Entry) -> int:
         """Bytes an entry holds itself: fixed part when live, plus its own K/V rows."""
-        fixed = self.shape.fixed_bytes if entry.live else 0
-        return fixed + entry.own_rows * self.shape.row_bytes
+        return (self._fixed if entry.live else 0) + entry.own_rows * self._row_bytes
 
-    def find(self, prompt: Prompt, row: int, fingerprint: Fingerprint, has_logits: bool) -> Entry | None:
-        """The entry (live or ghost) for exactly this state, or None."""
-        return self._by_row.get(row, {}).get((prompt.digest(row), fingerprint, has_logits))
+    def find(self, prompt: Prompt, row: int, fingerprint: Fingerprint, has_logits: bool = False) -> Entry | None:
+        """The entry (live or ghost) for this state, or None; with `has_logits`, only one that kept them."""
+        entry = self._by_row.get(row, {}).get((prompt.digest(row), fingerprint))
+        if entry is None or (has_logits and not entry.has_logits):
+            return None
+        return entry
 
     def lookup(self, prompt: Prompt, starts: tuple[int, ...], now_s: float) -> Entry | None:
         """Rule 5: the longest live kept state usable by a request for `prompt`, or None.
@@ -128,17 +141,24 @@ class Store:
         rows_l = len(prompt)
         cuts = fresh_cuts(rows_l, starts, self.cfg)
         hi = bisect.bisect_right(self._rows, rows_l)
-        for row in reversed(self._rows[:hi]):
+        g = self.facts.invariant_rows
+        usable_rows = len(cuts) + 1 + (rows_l // g if g else 0)
+        if usable_rows < hi:
+            rows = set(cuts) | {rows_l} | (set(range(g, rows_l, g)) if g else set())
+            candidates = sorted((r for r in rows if r in self._by_row), reverse=True)
+        else:
+            candidates = list(reversed(self._rows[:hi]))
+        for row in candidates:
             bucket = self._by_row[row]
             digest = prompt.digest(row)
             fp = cut_fingerprint(cuts, row, self.facts)
-            for has_logits in (True, False) if row == rows_l else (False,):
-                entry = bucket.get((digest, fp, has_logits))
-                if entry is None or not entry.live:
-                    continue
-                if is_usable(row, rows_l, starts, self.cfg, self.facts, has_logits=has_logits):
-                    entry.last_used_s = now_s
-                    return entry
+            entry = bucket.get((digest, fp))
+            if entry is None or not entry.live:
+                continue
+            if is_usable(row, rows_l, starts, self.cfg, self.facts, has_logits=entry.has_logits):
+                entry.last_used_s = now_s
+                self._rank(entry)
+                return entry
         return None
 
     # --- pins --------------------------------------------------------------------
@@ -146,11 +166,14 @@ class Store:
         """Mark a live entry in use by a running pass; pinned entries are never evicted."""
         assert entry.live, "pinning a ghost"
         entry.pins += 1
+        self._pinned[entry.id] = entry
 
     def unpin(self, entry: Entry) -> None:
         """Release one pin."""
         assert entry.pins > 0, "unpin without pin"
         entry.pins -= 1
+        if entry.pins == 0:
+            del self._pinned[entry.id]
 
     # --- keeping -------------------------------------------------------------------
     def keep(
@@ -174,28 +197,39 @@ class Store:
         if not 0 < row <= len(prompt):
             raise ValueError(f"row {row} outside (0, {len(prompt)}]")
         digest = prompt.digest(row)
-        found = self._by_row.get(row, {}).get((digest, fingerprint, has_logits))
-        if found is not None and found.live:
+        found = self._by_row.get(row, {}).get((digest, fingerprint))
+        if found is not None and found.live and (found.has_logits or not has_logits):
             found.last_used_s = now_s
             found.value_s = max(found.value_s, value_s)
+            self._rank(found)
             return KeepResult(found, (), "already_kept")
+        if found is not None and found.live:
+            found.has_logits = True
+            found.last_used_s = now_s
+            found.value_s = max(found.value_s, value_s)
+            self._rank(found)
+            return KeepResult(found, (), "logits_added")
         parent = found.parent if found is not None else self._parent_for(prompt, row, fingerprint)
         own_rows = 0 if found is not None else row - (parent.row if parent else 0)
-        need = self.shape.fixed_bytes + own_rows * self.shape.row_bytes
+        need = self._fixed + own_rows * self._row_bytes
         # A virtual child keeps the parent (or the ghost being revived) from being freed
         # while room is made: it may lose its fixed part, never the rows this state shares.
         anchor = found if found is not None else parent
         if anchor is not None:
             anchor.children += 1
+            self._rank(anchor)  # evicting it now frees only its fixed part
         evicted = self._make_room(need, anchor, now_s)
         if anchor is not None:
             anchor.children -= 1
+            self._rank(anchor)
         if evicted is None:
             return KeepResult(None, (), "over_budget")
         if found is not None:
             found.live = True
+            found.has_logits = has_logits
             found.value_s, found.last_used_s = value_s, now_s
-            self.bytes_used += self.shape.fixed_bytes
+            self.bytes_used += self._fixed
+            self._live += 1
             entry = found
         else:
             entry = Entry(
@@ -205,11 +239,15 @@ class Store:
             self._next_id += 1
             if parent is not None:
                 parent.children += 1
+                self._rank(parent)
             bucket = self._by_row.setdefault(row, {})
             if not bucket:
                 bisect.insort(self._rows, row)
             bucket[entry.key] = entry
+            self._by_id[entry.id] = entry
             self.bytes_used += need
+            self._live += 1
+        self._rank(entry)
         self.bytes_peak = max(self.bytes_peak, self.bytes_used)
         return KeepResult(entry, tuple(evicted), "kept")
 
@@ -217,27 +255,33 @@ class Store:
         """Evict one live, unpinned entry now; returns what was let go (it and freed ghosts)."""
         assert entry.live and entry.pins == 0, "evicting a pinned or ghost entry"
         out: list[Eviction] = []
-        self.bytes_used -= self.shape.fixed_bytes
+        self.bytes_used -= self._fixed
+        self._live -= 1
         entry.live = False
+        entry.version += 1
         node: Entry | None = entry
         while node is not None and not node.live and node.children == 0:
-            self.bytes_used -= node.own_rows * self.shape.row_bytes
+            self.bytes_used -= node.own_rows * self._row_bytes
             self._drop(node)
             out.append(Eviction(node, EvictKind.FREED))
             parent = node.parent
             if parent is not None:
                 parent.children -= 1
+                self._rank(parent)
             node = parent
         if entry.children > 0:
             out.insert(0, Eviction(entry, EvictKind.GHOST))
         return tuple(out)
 
     def score(self, entry: Entry, now_s: float) -> float:
-        """Value per byte freed, decayed by idle time: value_s * 0.5**(idle/half_life) / bytes."""
-        half = self.cfg.idle_half_life_s
+        """Value per byte freed, decayed by idle time: value_s * 0.5**(idle/half_life) / bytes.
+
+        Eviction takes the lowest score first. Every entry decays by the same factor per
+        second, so the order never changes with `now_s` alone: the store keeps it in a heap
+        ranked by log2(value_s / bytes) + last_used_s / half_life.
+        """
         idle = max(0.0, now_s - entry.last_used_s)
-        decay = 0.5 ** (idle / half) if half > 0 else (1.0 if idle == 0 else 0.0)
-        return entry.value_s * decay / max(1, self._freed_bytes(entry))
+        return entry.value_s * 0.5 ** (idle / self.cfg.idle_half_life_s) / max(1, self._freed_bytes(entry))
 
     def check(self) -> None:
         """Assert the store's invariants (see the class docstring)."""
@@ -261,10 +305,8 @@ class Store:
         same cuts below r, and r a cut of this state's pass (or on the invariant grid);
         without that cut the pass computed rows near r in a chunk that crossed r."""
         g = self.facts.invariant_rows
-        hi = bisect.bisect_left(self._rows, row)
-        for r in reversed(self._rows[:hi]):
-            if r not in fingerprint and (g is None or r % g != 0):
-                continue
+        rows = set(fingerprint) | (set(range(g, row, g)) if g else set())
+        for r in sorted((r for r in rows if r < row and r in self._by_row), reverse=True):
             digest = prompt.digest(r)
             fp = tuple(c for c in fingerprint if c < r)
             for entry in self._by_row[r].values():
@@ -273,52 +315,67 @@ class Store:
         return None
 
     def _freed_bytes(self, entry: Entry) -> int:
-        freed = self.shape.fixed_bytes
+        freed = self._fixed
         if entry.children:
             return freed
-        freed += entry.own_rows * self.shape.row_bytes
+        freed += entry.own_rows * self._row_bytes
         node = entry.parent
         while node is not None and not node.live and node.children == 1:
-            freed += node.own_rows * self.shape.row_bytes
+            freed += node.own_rows * self._row_bytes
             node = node.parent
         return freed
+
+    def _rank(self, entry: Entry) -> None:
+        """Push `entry`'s current eviction rank (older pushes of it go stale)."""
+        entry.version += 1
+        if entry.live:
+            rank = math.log2(max(entry.value_s, 1e-300) / max(1, self._freed_bytes(entry))) \
+                + entry.last_used_s / self.cfg.idle_half_life_s
+            heapq.heappush(self._heap, (rank, entry.id, entry.version))
 
     def _make_room(self, need: int, anchor: Entry | None, now_s: float) -> list[Eviction] | None:
         if need > self.budget_bytes:
             return None
         if self.bytes_used + need <= self.budget_bytes:
             return []
-        candidates = [e for e in self.entries() if e.live and e.pins == 0]
-        if not self._fits_after_all(candidates, anchor, need):
+        if not self._fits_after_all(anchor, need):
             return None
-        candidates.sort(key=lambda e: (self.score(e, now_s), e.id))
         out: list[Eviction] = []
-        for e in candidates:
-            if self.bytes_used + need <= self.budget_bytes:
-                break
+        held: list[tuple[float, int, int]] = []
+        while self.bytes_used + need > self.budget_bytes:
+            item = heapq.heappop(self._heap)
+            e = self._by_id.get(item[1])
+            if e is None or not e.live or e.version != item[2]:
+                continue
+            if e.pins:
+                held.append(item)
+                continue
             out.extend(self.evict(e))
-        assert self.bytes_used + need <= self.budget_bytes, "room check and eviction disagree"
+        for item in held:
+            heapq.heappush(self._heap, item)
+        if len(self._heap) > 4 * len(self._by_id) + 64:
+            self._heap = [(r, i, v) for r, i, v in self._heap
+                          if (e := self._by_id.get(i)) is not None and e.live and e.version == v]
+            heapq.heapify(self._heap)
         return out
 
-    def _fits_after_all(self, candidates: list[Entry], anchor: Entry | None, need: int) -> bool:
-        """Would `need` bytes fit once every candidate is evicted (pins and anchor stay)?"""
-        doomed = {e.id for e in candidates}
+    def _fits_after_all(self, anchor: Entry | None, need: int) -> bool:
+        """Would `need` bytes fit once every unpinned entry is evicted (pins and anchor stay)?"""
         survivors: dict[int, Entry] = {}
-        seeds = [e for e in self.entries() if e.live and e.id not in doomed]
-        if anchor is not None:
-            seeds.append(anchor)
+        seeds = list(self._pinned.values()) + ([anchor] if anchor is not None else [])
         for e in seeds:
             node: Entry | None = e
             while node is not None and node.id not in survivors:
                 survivors[node.id] = node
                 node = node.parent
-        remaining = sum(e.own_rows * self.shape.row_bytes for e in survivors.values())
-        remaining += sum(self.shape.fixed_bytes for e in survivors.values() if e.live and e.id not in doomed)
+        remaining = sum(e.own_rows * self._row_bytes for e in survivors.values())
+        remaining += self._fixed * sum(1 for e in survivors.values() if e.pins > 0)
         return remaining + need <= self.budget_bytes
 
     def _drop(self, entry: Entry) -> None:
         bucket = self._by_row[entry.row]
         del bucket[entry.key]
+        del self._by_id[entry.id]
         if not bucket:
             del self._by_row[entry.row]
             self._rows.pop(bisect.bisect_left(self._rows, entry.row))

@@ -11,8 +11,9 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 
@@ -24,10 +25,14 @@ DEFAULT_PROFILE = "qwen3.5-9b-h200"
 SOURCES = ("analytic", "measured")
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _number(obj: dict[str, Any], key: str, where: str, *, lo: float = 0.0, hi: float = math.inf,
             integer: bool = False, open_lo: bool = False) -> Any:
     v = obj.get(key)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (not integer or isinstance(v, int))
+    ok = _is_number(v) and (not integer or isinstance(v, int))
     if not ok or not ((v > lo) if open_lo else (v >= lo)) or v > hi:
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{where}{key}: must be {kind} in {'(' if open_lo else '['}{lo}, {hi}], got {v!r}")
@@ -130,6 +135,12 @@ class Profile:
     invariant_rows: int | None
     cost: AnalyticCost | TableCost
     notes: str = ""
+    _row_bytes: int = attrs.field(init=False, repr=False, eq=False)
+    _fixed_bytes: int = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_row_bytes", self.shape.row_bytes)
+        object.__setattr__(self, "_fixed_bytes", self.shape.fixed_bytes)
 
     @property
     def facts(self) -> BackendFacts:
@@ -150,8 +161,9 @@ class Profile:
         c = self.cost
         if isinstance(c, TableCost):
             return c.prefill.at(rows, context)
-        flops = rows * (c.dense_flops_per_row + c.linear_flops_per_row) + c.attention_flops_per_pair * rows * (context + rows / 2)
-        nbytes = c.weight_bytes + (context + rows) * self.shape.row_bytes + 2 * self.shape.fixed_bytes
+        flops = (rows * (c.dense_flops_per_row + c.linear_flops_per_row)
+                 + c.attention_flops_per_pair * rows * (context + rows / 2))
+        nbytes = c.weight_bytes + (context + rows) * self._row_bytes + 2 * self._fixed_bytes
         return c.seconds(flops, nbytes) + c.chunk_overhead_s
 
     def decode_round_s(self, lanes: int, contexts: Sequence[int]) -> float:
@@ -163,17 +175,64 @@ class Profile:
         Table: the decode grid at (lanes, mean context). 0 lanes: 0.0.
         Raises ValueError: len(contexts) != lanes or a context < 0.
         """
-        if lanes != len(contexts) or any(ctx < 0 for ctx in contexts):
-            raise ValueError(f"decode_round_s needs one context >= 0 per lane, got lanes={lanes}, contexts={list(contexts)[:8]}")
+        if lanes != len(contexts) or (lanes and min(contexts) < 0):
+            raise ValueError(f"decode_round_s needs one context >= 0 per lane, got lanes={lanes}, "
+                             f"contexts={list(contexts)[:8]}")
+        return self.decode_round_total_s(lanes, sum(contexts))
+
+    def decode_round_total_s(self, lanes: int, total_context: int) -> float:
+        """`decode_round_s` given only the sum of the lanes' contexts (all it depends on).
+
+        The simulator's fast-forward calls this once per round with the total grown by
+        `lanes`, which gives the same bits as `decode_round_s` on the per-lane contexts.
+        """
         if lanes == 0:
             return 0.0
         c = self.cost
         if isinstance(c, TableCost):
-            return c.decode.at(lanes, sum(contexts) / lanes)
-        keys = sum(contexts) + lanes
-        flops = lanes * (c.dense_flops_per_row + c.logits_flops_per_row + c.linear_flops_per_row) + c.attention_flops_per_pair * keys
-        nbytes = c.weight_bytes + keys * self.shape.row_bytes + lanes * 2 * self.shape.fixed_bytes
+            return c.decode.at(lanes, total_context / lanes)
+        keys = total_context + lanes
+        per_lane = c.dense_flops_per_row + c.logits_flops_per_row + c.linear_flops_per_row
+        flops = lanes * per_lane + c.attention_flops_per_pair * keys
+        nbytes = c.weight_bytes + keys * self._row_bytes + lanes * 2 * self._fixed_bytes
         return c.seconds(flops, nbytes) + c.round_overhead_s
+
+    def decode_span(self, lanes: int, total_context: int, max_rounds: int, t0: float,
+                    horizon: float | None) -> tuple[int, float]:
+        """Run up to `max_rounds` decode rounds from time t0 (s); stop after the round that
+        ends at or past `horizon`. Returns (rounds, end time).
+
+        Each round adds `decode_round_total_s(lanes, total)` to the clock, total growing by
+        `lanes` per round, with the same floating-point operations in the same order, so the
+        end time has the bits of committing the rounds one by one.
+        """
+        c = self.cost
+        t, rounds, total = t0, 0, total_context
+        if isinstance(c, TableCost) or lanes == 0:
+            while rounds < max_rounds:
+                t += self.decode_round_total_s(lanes, total)
+                rounds += 1
+                if horizon is not None and t >= horizon:
+                    break
+                total += lanes
+            return rounds, t
+        per_lane = c.dense_flops_per_row + c.logits_flops_per_row + c.linear_flops_per_row
+        lane_flops = lanes * per_lane
+        pair, row_bytes, bw = c.attention_flops_per_pair, self._row_bytes, c.copy_bytes_per_s
+        peak = c.matrix_flops_per_s * c.matrix_efficiency
+        fixed = lanes * 2 * self._fixed_bytes
+        weights, overhead = c.weight_bytes, c.round_overhead_s
+        stop = math.inf if horizon is None else horizon
+        while rounds < max_rounds:
+            keys = total + lanes
+            a = (lane_flops + pair * keys) / peak
+            b = (weights + keys * row_bytes + fixed) / bw
+            t += (a if a > b else b) + overhead
+            rounds += 1
+            if t >= stop:
+                break
+            total += lanes
+        return rounds, t
 
     def keep_s(self, nbytes: int) -> float:
         """Seconds to copy a kept state of `nbytes` bytes from the device to the pool: bytes / bw.
@@ -185,16 +244,13 @@ class Profile:
         return nbytes / self.cost.copy_bytes_per_s
 
 
-_ANALYTIC_INTS = ("weight_bytes",)
-
-
 def _cost_from_dict(obj: Any) -> AnalyticCost | TableCost:
     where = "cost."
     form = obj.get("form") if isinstance(obj, dict) else None
     if form == "analytic":
         names = [a.name for a in attrs.fields(AnalyticCost)]
         _keys(obj, where, ["form", *names])
-        values = {n: _number(obj, n, where, integer=n in _ANALYTIC_INTS) for n in names}
+        values = {n: _number(obj, n, where, integer=n == "weight_bytes") for n in names}
         for n in ("matrix_flops_per_s", "copy_bytes_per_s"):
             _number(obj, n, where, open_lo=True)
         _number(obj, "matrix_efficiency", where, hi=1.0, open_lo=True)
@@ -212,17 +268,19 @@ def _grid(obj: Any, where: str, x_name: str, y_name: str) -> Grid:
     axes = []
     for name in (x_name, y_name):
         axis = obj[name]
-        ok = isinstance(axis, list) and axis and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in axis)
+        ok = isinstance(axis, list) and axis and all(_is_number(v) and v >= 0 for v in axis)
         if not ok or any(a >= b for a, b in zip(axis, axis[1:])):
-            raise ValueError(f"{where}{name}: must be a non-empty, strictly ascending list of numbers >= 0, got {axis!r}")
+            raise ValueError(f"{where}{name}: must be a non-empty, strictly ascending list of numbers >= 0, "
+                             f"got {axis!r}")
         axes.append(tuple(float(v) for v in axis))
     table = obj["seconds"]
     if not isinstance(table, list) or len(table) != len(axes[0]):
         raise ValueError(f"{where}seconds: must be a list of {len(axes[0])} rows (one per {x_name} point)")
     for i, row in enumerate(table):
         ok = isinstance(row, list) and len(row) == len(axes[1])
-        if not ok or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in row):
-            raise ValueError(f"{where}seconds[{i}]: must be {len(axes[1])} numbers >= 0 (one per {y_name} point), got {row!r}")
+        if not ok or not all(_is_number(v) and v >= 0 for v in row):
+            raise ValueError(f"{where}seconds[{i}]: must be {len(axes[1])} numbers >= 0 (one per {y_name} point), "
+                             f"got {row!r}")
     return Grid(x=axes[0], y=axes[1], seconds=tuple(tuple(float(v) for v in row) for row in table))
 
 
@@ -254,8 +312,10 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         cost: dict[str, Any] = {"form": "analytic", **attrs.asdict(c)}
     else:
         cost = {"form": "table", "copy_bytes_per_s": c.copy_bytes_per_s,
-                "prefill": {"rows": list(c.prefill.x), "context": list(c.prefill.y), "seconds": [list(r) for r in c.prefill.seconds]},
-                "decode": {"lanes": list(c.decode.x), "context": list(c.decode.y), "seconds": [list(r) for r in c.decode.seconds]}}
+                "prefill": {"rows": list(c.prefill.x), "context": list(c.prefill.y),
+                            "seconds": [list(r) for r in c.prefill.seconds]},
+                "decode": {"lanes": list(c.decode.x), "context": list(c.decode.y),
+                           "seconds": [list(r) for r in c.decode.seconds]}}
     return {"name": profile.name, "source": profile.source, "gpu": profile.gpu, "model": profile.model,
             "invariant_rows": profile.invariant_rows, "shape": attrs.asdict(profile.shape), "cost": cost,
             "notes": profile.notes}

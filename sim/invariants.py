@@ -12,7 +12,7 @@ from policy import events as ev
 from policy.config import PolicyConfig
 from policy.plan import check_starts, plan_chunks
 from policy.scheduler import Scheduler
-from policy.work import Evicted, Request, Step
+from policy.work import Evicted, Kept, Request, Step
 from policy.usable import BackendFacts, is_usable
 
 
@@ -51,8 +51,11 @@ class Checker:
         self.cfg, self.facts, self.requests = cfg, facts, requests
         self._recent: deque[ev.Event] = deque(maxlen=history)
         self._reqs: dict[str, _Req] = {}
+        self._waiting: dict[str, _Req] = {}
         self._warm_running_chunk = False
         self.events = 0
+        self._changes = 0
+        self._store = None
 
     def fail(self, rule: str, message: str, request: str | None) -> None:
         raise InvariantBroken(rule, message, request, list(self._recent))
@@ -64,6 +67,7 @@ class Checker:
         if isinstance(e, ev.RequestArrived):
             r = self._reqs[e.request] = _Req(self.requests.get(e.request), e.t)
             r.warm_chunks_waited = 1 if self._warm_running_chunk else 0
+            self._waiting[e.request] = r
         elif isinstance(e, ev.RequestAdmitted):
             r = self._reqs[e.request]
             r.cached = e.cached_tokens
@@ -82,7 +86,7 @@ class Checker:
         elif isinstance(e, ev.ChunkStarted):
             if e.pass_kind == "warm":
                 self._warm_running_chunk = True
-                for rid, r in self._reqs.items():
+                for rid, r in self._waiting.items():
                     if r.finished is None and not r.started:
                         r.warm_chunks_waited += 1
                         if r.warm_chunks_waited > 1:
@@ -91,16 +95,19 @@ class Checker:
             elif e.request is not None:
                 r = self._reqs[e.request]
                 r.started = True
+                self._waiting.pop(e.request, None)
                 r.chunks.append((e.start, e.end))
                 self._check_tail(e)
         elif isinstance(e, ev.FirstToken):
             self._reqs[e.request].started = True
+            self._waiting.pop(e.request, None)
         elif isinstance(e, ev.RequestFinished):
             r = self._reqs.get(e.request)
             if r is None:
                 self.fail("finish", "finished a request that never arrived", e.request)
             r.finished = e.reason
             r.started = True
+            self._waiting.pop(e.request, None)
             if e.cached_tokens > e.rows:
                 self.fail("cached_tokens<=rows", f"{e.cached_tokens} > {e.rows}", e.request)
             if r.req is not None and r.req.max_tokens == 0 and e.reason not in ("length", "cancelled"):
@@ -109,13 +116,23 @@ class Checker:
                 self._check_plan(r)
         elif isinstance(e, ev.RequestRejected):
             self._reqs[e.request].finished = "rejected"
+            self._waiting.pop(e.request, None)
 
     def step(self, step: Step, sched: Scheduler, effects: list[object]) -> None:
-        """After each committed step: its evictions, the store's budget and accounting."""
+        """After each committed step: no pinned eviction and the budget, every step; the
+        store's full accounting (O(entries)) after every change while it holds under 256
+        entries, after every 1024th change above that, and at `finish`."""
         self.effects(effects)
         store = sched.store
+        self._store = store
         if store.bytes_used > store.budget_bytes:
             self.fail("rule 4 (budget)", f"store holds {store.bytes_used} > {store.budget_bytes} bytes", None)
+        if any(isinstance(e, (Kept, Evicted)) for e in effects):
+            self._changes += 1
+            if len(store) < 256 or self._changes % 1024 == 0:
+                self._check_store(store)
+
+    def _check_store(self, store) -> None:
         try:
             store.check()
         except AssertionError as err:
@@ -132,6 +149,8 @@ class Checker:
         for rid, r in self._reqs.items():
             if r.finished is None:
                 self.fail("every request ends", "request never finished", rid)
+        if self._store is not None:
+            self._check_store(self._store)
 
     def _check_plan(self, r: _Req) -> None:
         req = r.req

@@ -182,12 +182,5 @@ class Simulation:
         """
         left = self.scheduler.decode_rounds_left()
         horizon = self._clock.next_time()
-        lanes = len(step.decode)
-        t, rounds, contexts = now, 0, list(step.contexts)
-        while rounds < left:
-            t += self.profile.decode_round_s(lanes, contexts)
-            rounds += 1
-            if horizon is not None and t >= horizon:
-                break
-            contexts = [c + 1 for c in contexts]
+        rounds, t = self.profile.decode_span(len(step.decode), sum(step.contexts), left, now, horizon)
         return attrs.evolve(step, rounds=rounds), t

@@ -53,12 +53,10 @@ def _parse(path: Path, limit: int | None) -> list[tuple[int, int, int, list[int]
     return out
 
 
-def read_mooncake(path: str | Path = DEFAULT_TRACE, limit: int | None = None, *, shared_starts: bool = False) -> Workload:
+def read_mooncake(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> Workload:
     """The trace as a Workload named "mooncake": one single-turn Conversation per request.
 
     path: the trace JSONL. limit: read only the first `limit` requests of the file.
-    shared_starts: also start a message where this request's leading blocks already seen in
-      earlier requests end (depth * 512), as if the shared part were one message (off by default).
     Each request, in arrival order (stable sort on timestamp), becomes a Turn with
       prompt: one run per hash id, content_id = hash_id, 512 rows (the last one
         input_length - 512 * (n - 1));
@@ -90,8 +88,6 @@ def read_mooncake(path: str | Path = DEFAULT_TRACE, limit: int | None = None, *,
             end = ends.get(node)
             if end is not None:
                 starts.add(end if end < rows else (rows - 1) // BLOCK_ROWS * BLOCK_ROWS)
-        if shared_starts and 0 < depth * BLOCK_ROWS < rows:
-            starts.add(depth * BLOCK_ROWS)
         for h in ids[depth:]:
             child = len(children) + 1
             children[(node, h)] = child

@@ -10,9 +10,17 @@ from __future__ import annotations
 import inspect
 import math
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from sim.workload import FOOTER_ROWS, HEADER_ROWS, Conversation, Message, Role, Workload, render_conversation
+from sim.workload import (
+    FOOTER_ROWS,
+    HEADER_ROWS,
+    Conversation,
+    Message,
+    Role,
+    Workload,
+    render_conversation,
+)
 
 DEFAULT_SCENARIO = "mixed"
 _WRAP = HEADER_ROWS + FOOTER_ROWS
@@ -36,7 +44,8 @@ def _secs(rng: random.Random, median_s: float) -> float:
 
 def _msg(rng: random.Random, role: Role, rows: int, content_id: int | None = None, **kw: object) -> Message:
     """A message of fresh content (an id drawn from rng) unless content_id is given."""
-    return Message(role=role, rows=rows, content_id=rng.getrandbits(62) if content_id is None else content_id, **kw)
+    cid = rng.getrandbits(62) if content_id is None else content_id
+    return Message(role=role, rows=rows, content_id=cid, **kw)
 
 
 def _turn(rng: random.Random, think_s: float | None, reasoning_rows: int = 0) -> list[Message]:
@@ -55,7 +64,7 @@ def _dialogue(rng: random.Random, turns: int, think_s: float, reasoning_rows: in
 def _assemble(name: str, items: Sequence[Item]) -> Workload:
     """Render (start_s, label, messages) items, ordered by start, into a Workload named `name`."""
     ordered = sorted(items, key=lambda item: item[0])
-    return Workload(name, tuple(render_conversation(f"{name}-{label}", start, msgs) for start, label, msgs in ordered))
+    return Workload(name, tuple(render_conversation(f"{name}-{label}", s, msgs) for s, label, msgs in ordered))
 
 
 def _numbered(starts: Sequence[float], messages: Sequence[list[Message]]) -> list[Item]:
@@ -68,7 +77,8 @@ def chat(rng: random.Random, *, conversations: int = 40, min_turns: int = 2, max
     uniformly over `duration_s` seconds, `min_turns`..`max_turns` turns ~`think_s` s apart."""
     _need(1 <= min_turns <= max_turns, "min_turns", (min_turns, max_turns), "1 <= min_turns <= max_turns")
     system = rng.getrandbits(62)
-    msgs = [[_msg(rng, Role.SYSTEM, system_rows, system), *_dialogue(rng, rng.randint(min_turns, max_turns), think_s)]
+    msgs = [[_msg(rng, Role.SYSTEM, system_rows, system),
+             *_dialogue(rng, rng.randint(min_turns, max_turns), think_s)]
             for _ in range(conversations)]
     return _assemble("chat", _numbered([rng.uniform(0, duration_s) for _ in msgs], msgs))
 
@@ -81,7 +91,8 @@ def reasoning(rng: random.Random, *, conversations: int = 24, min_turns: int = 2
     _need(1 <= min_turns <= max_turns, "min_turns", (min_turns, max_turns), "1 <= min_turns <= max_turns")
     system = rng.getrandbits(62)
     msgs = [[_msg(rng, Role.SYSTEM, system_rows, system),
-             *_dialogue(rng, rng.randint(min_turns, max_turns), think_s, reasoning_rows)] for _ in range(conversations)]
+             *_dialogue(rng, rng.randint(min_turns, max_turns), think_s, reasoning_rows)]
+            for _ in range(conversations)]
     return _assemble("reasoning", _numbered([rng.uniform(0, duration_s) for _ in msgs], msgs))
 
 
@@ -119,7 +130,8 @@ def concurrent(rng: random.Random, *, users: int = 120, duration_s: float = 300.
     for _ in range(users):
         t += rng.expovariate(users / duration_s)
         starts.append(t)
-        msgs.append([_msg(rng, Role.SYSTEM, system_rows, system), *_dialogue(rng, rng.randint(1, max_turns), think_s)])
+        turns = _dialogue(rng, rng.randint(1, max_turns), think_s)
+        msgs.append([_msg(rng, Role.SYSTEM, system_rows, system), *turns])
     return _assemble("concurrent", _numbered(starts, msgs))
 
 
@@ -177,11 +189,12 @@ def mixed(rng: random.Random, *, conversations: int = 150, duration_s: float = 6
 
 
 def day(rng: random.Random, *, conversations: int = 10000, duration_s: float = 86400.0, apps: int = 8,
-        max_turns: int = 8, think_s: float = 30.0, reasoning_share: float = 0.25) -> Workload:
+        min_turns: int = 2, max_turns: int = 8, think_s: float = 30.0, reasoning_share: float = 0.25) -> Workload:
     """A day of traffic for the speed benchmark: `conversations` multi-turn chats over `duration_s`
-    seconds with a diurnal rate (peak at midday, 4x the trough), each using one of `apps` shared
-    system prompts; a `reasoning_share` fraction reasons before replying."""
+    seconds with a diurnal rate (peak at midday, 4x the trough), `min_turns`..`max_turns` turns,
+    each using one of `apps` shared system prompts; a `reasoning_share` fraction reasons first."""
     _need(apps >= 1 and conversations >= 1, "apps", (apps, conversations), "apps >= 1 and conversations >= 1")
+    _need(1 <= min_turns <= max_turns, "min_turns", (min_turns, max_turns), "1 <= min_turns <= max_turns")
     systems = [(rng.getrandbits(62), _rows(rng, 1000, 0.8, 50, 8000)) for _ in range(apps)]
     starts = []
     while len(starts) < conversations:
@@ -192,7 +205,8 @@ def day(rng: random.Random, *, conversations: int = 10000, duration_s: float = 8
     for _ in starts:
         system, rows = rng.choice(systems)
         thinks = 800 if rng.random() < reasoning_share else 0
-        msgs.append([_msg(rng, Role.SYSTEM, rows, system), *_dialogue(rng, rng.randint(1, max_turns), think_s, thinks)])
+        turns = _dialogue(rng, rng.randint(min_turns, max_turns), think_s, thinks)
+        msgs.append([_msg(rng, Role.SYSTEM, rows, system), *turns])
     return _assemble("day", _numbered(starts, msgs))
 
 

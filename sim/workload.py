@@ -10,9 +10,10 @@ import enum
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 
@@ -60,7 +61,8 @@ def _is_time(v: Any) -> bool:
 
 def _check_starts(field: str, starts: tuple[int, ...], rows: int) -> None:
     _check(bool(starts) and starts[0] == 0, field, starts, "non-empty and start with 0")
-    _check(all(map(_is_int, starts)) and list(starts) == sorted(set(starts)), field, starts, "strictly ascending integers")
+    ascending = all(map(_is_int, starts)) and list(starts) == sorted(set(starts))
+    _check(ascending, field, starts, "strictly ascending integers")
     _check(starts[-1] < rows, field, starts, f"all < {rows} (the prompt's rows)")
 
 
@@ -90,13 +92,16 @@ class Turn:
     def __attrs_post_init__(self) -> None:
         _check(len(self.prompt) > 0, "prompt", len(self.prompt), "at least 1 row")
         _check_starts("starts", self.starts, len(self.prompt))
-        _check(_is_int(self.output_rows) and self.output_rows >= 0, "output_rows", self.output_rows, "an integer >= 0")
+        out = self.output_rows
+        _check(_is_int(out) and out >= 0, "output_rows", out, "an integer >= 0")
         if self.continuation is None:
-            _check(not self.continuation_starts, "continuation_starts", self.continuation_starts, "() when continuation is None")
+            cs = self.continuation_starts
+            _check(not cs, "continuation_starts", cs, "() when continuation is None")
         else:
             _check_starts("continuation_starts", self.continuation_starts, len(self.continuation))
         _check(_is_time(self.think_s), "think_s", self.think_s, "a finite number >= 0")
-        _check(self.arrival_s is None or _is_time(self.arrival_s), "arrival_s", self.arrival_s, "None or a finite number >= 0")
+        a = self.arrival_s
+        _check(a is None or _is_time(a), "arrival_s", a, "None or a finite number >= 0")
 
 
 @attrs.frozen
@@ -151,16 +156,16 @@ class Message:
     arrival_s: float | None = None
 
     def __attrs_post_init__(self) -> None:
-        is_reply = self.role is Role.ASSISTANT
-        _check(self.max_tokens in (None, 0) and (is_reply or self.max_tokens is None) and not isinstance(self.max_tokens, bool),
-               "max_tokens", self.max_tokens, "absent, or 0 (a primer) on an assistant message")
+        is_reply, mt = self.role is Role.ASSISTANT, self.max_tokens
+        _check(mt is None or (is_reply and _is_int(mt) and mt == 0), "max_tokens", mt,
+               "absent, or 0 (a primer) on an assistant message")
         if self.is_primer:
-            _check(self.rows == 0 and not isinstance(self.rows, bool), "rows", self.rows, "0 on a primer")
+            _check(_is_int(self.rows) and self.rows == 0, "rows", self.rows, "0 on a primer")
         else:
             _check(_is_int(self.rows) and self.rows >= 1, "rows", self.rows, "an integer >= 1")
-        _check(_is_int(self.reasoning_rows) and self.reasoning_rows >= 0 and (is_reply or not self.reasoning_rows)
-               and not (self.is_primer and self.reasoning_rows), "reasoning_rows", self.reasoning_rows,
-               "an integer >= 0, on a non-primer assistant message only")
+        r = self.reasoning_rows
+        _check(_is_int(r) and r >= 0 and (r == 0 or (is_reply and not self.is_primer)), "reasoning_rows", r,
+               "an integer >= 0, and 0 except on a non-primer assistant message")
         c = self.content_id
         _check(c is None or (_is_int(c) and 0 <= c < MAX_CONTENT_ID and not self.is_primer), "content_id", c,
                "an integer in [0, 2**126), absent on a primer")
@@ -200,7 +205,8 @@ def render_conversation(conversation_id: str, start_s: float, messages: Sequence
       ValueError naming `messages[i].field`: a bad message, an assistant message with no new
       message before it (except after a primer), repeated timing, or trailing messages.
     """
-    runs: list[Run] = []
+    history = Prompt(())
+    pending: list[Run] = []
     starts: list[int] = []
     turns: list[Turn] = []
     timing: dict[str, tuple[int, float]] = {}
@@ -211,31 +217,37 @@ def render_conversation(conversation_id: str, start_s: float, messages: Sequence
             value = getattr(m, name)
             if value is not None:
                 if name in timing:
-                    raise ValueError(f"messages[{i}].{name}: this request's {name} is already set by messages[{timing[name][0]}]")
+                    first = timing[name][0]
+                    raise ValueError(f"messages[{i}].{name}: this request's {name} is already set by "
+                                     f"messages[{first}]")
                 timing[name] = (i, float(value))
         cid = m.content_id if m.content_id is not None else derived_content_id(conversation_id, i)
         if m.role is not Role.ASSISTANT:
             starts.append(row)
-            runs += [_header(m.role), Run(cid, m.rows), _FOOTER]
+            pending += [_header(m.role), Run(cid, m.rows), _FOOTER]
             row += HEADER_ROWS + m.rows + FOOTER_ROWS
             new += 1
             continue
         if new == 0 and not after_primer:
-            raise ValueError(f"messages[{i}].role: an assistant message needs a user, system or tool message before it")
-        prompt = Prompt(tuple(runs) + (_header(Role.ASSISTANT),))
+            raise ValueError(f"messages[{i}].role: an assistant message needs a user, system or tool message "
+                             "before it")
+        history, pending = history.extend(pending), []
+        prompt = history.extend([_header(Role.ASSISTANT)])
         think_s = timing.get("think_s", (0, 0.0))[1]
         arrival_s = timing["arrival_s"][1] if "arrival_s" in timing else None
         if m.is_primer:
             turns.append(Turn(prompt, tuple(starts), 0, None, (), think_s, arrival_s))
         else:
             asked = tuple(starts)
-            runs += [_header(Role.ASSISTANT), Run(cid, m.rows), _FOOTER]
+            history = history.extend([_header(Role.ASSISTANT), Run(cid, m.rows), _FOOTER])
             starts.append(row)
             row += HEADER_ROWS + m.rows + FOOTER_ROWS
-            turns.append(Turn(prompt, asked, m.rows + m.reasoning_rows, Prompt(tuple(runs)), tuple(starts), think_s, arrival_s))
+            cont = history
+            turns.append(Turn(prompt, asked, m.rows + m.reasoning_rows, cont, tuple(starts), think_s, arrival_s))
         timing, new, after_primer = {}, 0, m.is_primer
     if new:
-        raise ValueError(f"messages[{len(messages) - new}].role: messages after the last assistant message are never sent")
+        raise ValueError(f"messages[{len(messages) - new}].role: messages after the last assistant message "
+                         "are never sent")
     if not turns:
         raise ValueError("messages: no assistant message, so no request")
     return Conversation(conversation_id, float(start_s), tuple(turns))
@@ -311,8 +323,9 @@ def _list(value: Any, field: str) -> list[Any]:
 def _runs(value: Any, field: str) -> Prompt:
     pieces = []
     for i, pair in enumerate(_list(value, field)):
-        ok = isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair) and pair[1] > 0
-        _check(ok, f"{field}[{i}]", pair, "a [content_id, rows] pair of integers with rows >= 1")
+        ok = isinstance(pair, list) and len(pair) == 2 and all(map(_is_int, pair)) and pair[1] > 0
+        _check(ok and -(1 << 127) <= pair[0] < 1 << 127, f"{field}[{i}]", pair,
+               "a [content_id, rows] pair of integers, |content_id| < 2**127, rows >= 1")
         pieces.append((pair[0], pair[1]))
     return Prompt.synthetic(pieces)
 
@@ -356,7 +369,8 @@ def conversation_from_json(value: Any) -> Conversation:
     _check(_is_time(start_s), "start_s", start_s, "a finite number >= 0")
     _check(("messages" in obj) != ("turns" in obj), "messages", None, "given, or turns given, but not both")
     if "messages" in obj:
-        messages = [_message_from_json(m, f"messages[{i}]") for i, m in enumerate(_list(obj["messages"], "messages"))]
+        listed = _list(obj["messages"], "messages")
+        messages = [_message_from_json(m, f"messages[{i}]") for i, m in enumerate(listed)]
         return render_conversation(conv_id, start_s, messages)
     turns = [_turn_from_json(t, f"turns[{i}]") for i, t in enumerate(_list(obj["turns"], "turns"))]
     return Conversation(conv_id, float(start_s), tuple(turns))
@@ -368,8 +382,12 @@ def _message_to_json(m: Message, conversation_id: str, index: int) -> dict[str, 
         out["rows"] = m.rows
     if m.content_id is not None and m.content_id != derived_content_id(conversation_id, index):
         out["content_id"] = m.content_id
-    for key in ("reasoning_rows", "max_tokens", "think_s", "arrival_s"):
-        if getattr(m, key) not in (None, 0) or (key == "max_tokens" and m.is_primer):
+    if m.reasoning_rows:
+        out["reasoning_rows"] = m.reasoning_rows
+    if m.is_primer:
+        out["max_tokens"] = 0
+    for key in ("think_s", "arrival_s"):
+        if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     return out
 
@@ -407,7 +425,7 @@ def read_workload(path: str | Path) -> Workload:
       ValueError `PATH:LINE: field: problem` for a bad line; OSError when unreadable.
     """
     path = Path(path)
-    name, ideal, conversations = path.stem, None, []
+    name, ideal, conversations, seen = path.stem, None, [], False
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -416,9 +434,10 @@ def read_workload(path: str | Path) -> Workload:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON: {e.msg}") from None
+            first, seen = not seen, True
             try:
                 if isinstance(value, dict) and "workload" in value:
-                    _check(not conversations, "workload", value["workload"], "on the first line only")
+                    _check(first, "workload", value["workload"], "on the first line only")
                     _object(value, "", ("workload", "ideal_reuse"))
                     _check(isinstance(value["workload"], str), "workload", value["workload"], "a string")
                     name, ideal = value["workload"], value.get("ideal_reuse")

@@ -107,12 +107,16 @@ class ReferenceBackend:
                 i: np.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), np.float32)
                 for i in c.linear_layers
             },
-            conv_tail={i: np.zeros((c.linear_conv_kernel_dim - 1, c.conv_channels), np.float32) for i in c.linear_layers},
+            conv_tail={
+                i: np.zeros((c.linear_conv_kernel_dim - 1, c.conv_channels), np.float32) for i in c.linear_layers
+            },
             keys={i: np.zeros(kv_shape, np.float32) for i in c.full_layers},
             values={i: np.zeros(kv_shape, np.float32) for i in c.full_layers},
         )
 
-    def _linear_attention(self, layer: _Layer, state: ReferenceState, i: int, h: np.ndarray, decode: bool) -> np.ndarray:
+    def _linear_attention(
+        self, layer: _Layer, state: ReferenceState, i: int, h: np.ndarray, decode: bool
+    ) -> np.ndarray:
         c, w = self.config, layer.w
         rows = h.shape[0]
         qkv = ops.linear(h, w["linear_attn.in_proj_qkv.weight"])  # [rows, conv_channels]
@@ -140,8 +144,12 @@ class ReferenceBackend:
         q, gate = ops.split_query_gate(ops.linear(h, w["self_attn.q_proj.weight"]), c.num_attention_heads, c.head_dim)
         k = ops.linear(h, w["self_attn.k_proj.weight"]).reshape(rows, c.num_key_value_heads, c.head_dim)
         v = ops.linear(h, w["self_attn.v_proj.weight"]).reshape(rows, c.num_key_value_heads, c.head_dim)
-        q = ops.rope(ops.rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps), positions, c.rope_theta, c.rotary_dim)
-        k = ops.rope(ops.rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps), positions, c.rope_theta, c.rotary_dim)
+        q = ops.rope(
+            ops.rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps), positions, c.rope_theta, c.rotary_dim
+        )
+        k = ops.rope(
+            ops.rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps), positions, c.rope_theta, c.rotary_dim
+        )
         state.keys[i] = np.concatenate([state.keys[i], k])
         state.values[i] = np.concatenate([state.values[i], v])
         out = ops.attention(q, state.keys[i], state.values[i], state.rows)

@@ -127,9 +127,7 @@ def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return (x64 / np.sqrt(np.sum(x64 * x64, axis=-1, keepdims=True) + eps)).astype(_F32)
 
 
-def delta_gates(
-    a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def delta_gates(a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Decay and write strength of the gated delta rule.
 
     g = -exp(A_log) * softplus(a + dt_bias)   (log decay, <= 0)
@@ -235,9 +233,7 @@ def gated_delta_rule_chunked(
     while lo < rows:
         absolute = start_row + lo
         hi = min(rows, lo + DELTA_SUBCHUNK_ROWS - absolute % DELTA_SUBCHUNK_ROWS)
-        o, s64 = _delta_subchunk(
-            q64[lo:hi], k64[lo:hi], v64[lo:hi], g64[lo:hi], b64[lo:hi], s.astype(_F64)
-        )
+        o, s64 = _delta_subchunk(q64[lo:hi], k64[lo:hi], v64[lo:hi], g64[lo:hi], b64[lo:hi], s.astype(_F64))
         out[lo:hi] = o
         s = s64.astype(_F32)
         lo = hi

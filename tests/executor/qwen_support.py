@@ -44,7 +44,9 @@ def torch_oracle(model_dir: str | Path):
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     text = raw.get("text_config", raw)
-    keep = {k: v for k, v in text.items() if k not in ("model_type", "dtype", "attn_output_gate", "mtp_num_hidden_layers")}
+    keep = {
+        k: v for k, v in text.items() if k not in ("model_type", "dtype", "attn_output_gate", "mtp_num_hidden_layers")
+    }
     keep["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     config = Qwen3_5TextConfig(**keep)
     config._attn_implementation = "eager"

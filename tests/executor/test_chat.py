@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executor.chat import ChatError, ChatRenderer, builtin_template, load_template
@@ -16,8 +16,14 @@ from executor.tokenizer import default_tokenizer
 from tests.executor.qwen_support import small_config
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
     {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}},
 ]
 
@@ -46,12 +52,21 @@ _text = st.lists(
     ),
     max_size=5,
 ).map("".join)
-_user_text = _text.filter(lambda t: not (t.strip().startswith("<tool_response>") and t.strip().endswith("</tool_response>")))
-_scalar = st.one_of(st.text(max_size=8), st.integers(-1000, 1000), st.floats(allow_nan=False, allow_infinity=False),
-                    st.booleans(), st.none())
-_value = st.recursive(_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                        st.dictionaries(st.text(max_size=5), inner, max_size=3)),
-                      max_leaves=6)
+_user_text = _text.filter(
+    lambda t: not (t.strip().startswith("<tool_response>") and t.strip().endswith("</tool_response>"))
+)
+_scalar = st.one_of(
+    st.text(max_size=8),
+    st.integers(-1000, 1000),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.none(),
+)
+_value = st.recursive(
+    _scalar,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=6,
+)
 _arguments = st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=6), _value, max_size=4)
 
 
@@ -59,8 +74,10 @@ _arguments = st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=6)
 def _tool_call(draw):
     args = draw(_arguments)
     wire = draw(st.booleans())  # OpenAI wire form: arguments as a JSON string
-    function = {"name": draw(st.sampled_from(["get_weather", "search", "run_code"])),
-                "arguments": json.dumps(args) if wire else args}
+    function = {
+        "name": draw(st.sampled_from(["get_weather", "search", "run_code"])),
+        "arguments": json.dumps(args) if wire else args,
+    }
     return {"id": "call_1", "type": "function", "function": function}
 
 
@@ -113,9 +130,11 @@ def test_native_equals_jinja_template(native, jinja, conv, thinking, generation)
     assert native.text(messages, tools, generation, thinking) == jinja.text(messages, tools, generation, thinking)
 
 
-@settings(max_examples=120, deadline=None)
+@pytest.mark.parametrize("which", ["native", "jinja"])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(conv=conversations(), data=st.data())
-def test_continuation_is_a_prefix_ending_on_a_request_start(native, conv, data):
+def test_continuation_is_a_prefix_ending_on_a_request_start(native, jinja, which, conv, data):
+    native = {"native": native, "jinja": jinja}[which]
     messages, tools = conv
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     reply_index = data.draw(st.sampled_from(replies))
@@ -126,6 +145,7 @@ def test_continuation_is_a_prefix_ending_on_a_request_start(native, conv, data):
         full = native.render(request, tools, add_generation_prompt=generation, enable_thinking=data.draw(st.booleans()))
         end = len(cont.token_ids)
         assert full.token_ids[:end] == cont.token_ids
+        assert full.text.startswith(cont.text)
         assert end in full.starts
         assert cont.starts == tuple(s for s in full.starts if s < end)
         assert all(s < len(full.token_ids) for s in full.starts)
@@ -150,8 +170,12 @@ def test_reasoning_is_kept_for_the_current_reply_and_dropped_by_the_next_request
 
 def test_tool_call_only_turn_keeps_reasoning_until_the_next_user_query(native):
     history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "weather in Paris?"}]
-    reply = {"role": "assistant", "content": None, "reasoning_content": "use the tool",
-             "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    reply = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "use the tool",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    }
     cont = native.render_continuation(history, reply, TOOLS)
     assert cont.text.endswith(
         "<|im_start|>assistant\n<think>\nuse the tool\n</think>\n\n<tool_call>\n<function=get_weather>\n"
@@ -160,35 +184,57 @@ def test_tool_call_only_turn_keeps_reasoning_until_the_next_user_query(native):
     results = [{"role": "tool", "content": "sunny"}, {"role": "tool", "content": "22C"}]
     nxt = native.render([*history, reply, *results], TOOLS)
     assert nxt.token_ids[: len(cont.token_ids)] == cont.token_ids and len(cont.token_ids) in nxt.starts
-    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n22C\n</tool_response><|im_end|>\n" in nxt.text
-    later = native.render([*history, reply, *results, {"role": "assistant", "content": "Sunny."},
-                           {"role": "user", "content": "thanks"}], TOOLS)
+    assert (
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n22C\n</tool_response><|im_end|>\n"
+        in nxt.text
+    )
+    later = native.render(
+        [*history, reply, *results, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "thanks"}],
+        TOOLS,
+    )
     assert "use the tool" not in later.text
     assert "<|im_start|>assistant\n<tool_call>\n<function=get_weather>" in later.text
 
 
 def test_nested_arguments_keep_their_key_order(native, jinja):
     args = '{"zeta": 1, "alpha": {"y": [1, {"b": 2, "a": 1}], "x": "s"}, "flag": true, "none": null}'
-    messages = [{"role": "user", "content": "go"},
-                {"role": "assistant", "content": "calling",
-                 "tool_calls": [{"function": {"name": "run_code", "arguments": args}}]},
-                {"role": "tool", "content": "{}"}]
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "tool_calls": [{"function": {"name": "run_code", "arguments": args}}],
+        },
+        {"role": "tool", "content": "{}"},
+    ]
     text = native.text(messages, TOOLS)
-    expected = ("calling\n\n<tool_call>\n<function=run_code>\n<parameter=zeta>\n1\n</parameter>\n"
-                "<parameter=alpha>\n{\"y\": [1, {\"b\": 2, \"a\": 1}], \"x\": \"s\"}\n</parameter>\n"
-                "<parameter=flag>\nTrue\n</parameter>\n<parameter=none>\nNone\n</parameter>\n</function>\n</tool_call>")
+    expected = (
+        "calling\n\n<tool_call>\n<function=run_code>\n<parameter=zeta>\n1\n</parameter>\n"
+        '<parameter=alpha>\n{"y": [1, {"b": 2, "a": 1}], "x": "s"}\n</parameter>\n'
+        "<parameter=flag>\nTrue\n</parameter>\n<parameter=none>\nNone\n</parameter>\n</function>\n</tool_call>"
+    )
     assert expected in text
     assert jinja.text(messages, TOOLS) == text
-    as_dict = [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "run_code", "arguments": json.loads(args)}}]}, messages[2]]
+    as_dict = [
+        messages[0],
+        {**messages[1], "tool_calls": [{"function": {"name": "run_code", "arguments": json.loads(args)}}]},
+        messages[2],
+    ]
     assert native.text(as_dict, TOOLS) == text
 
 
 def test_empty_contents(native, jinja):
-    messages = [{"role": "system", "content": ""}, {"role": "user", "content": ""},
-                {"role": "assistant", "content": ""}, {"role": "user", "content": "   "}]
+    messages = [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "   "},
+    ]
     text = native.text(messages, enable_thinking=False)
-    assert text == ("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
-                    "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert text == (
+        "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+        "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert jinja.text(messages, enable_thinking=False) == text
     rendered = native.render(messages)
     assert len(rendered.starts) == 5 and rendered.starts[0] == 0
@@ -220,8 +266,13 @@ def test_generation_prompt_thinking_on_and_off(native):
         ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}], "messages[1].role"),
         ([{"role": "system", "content": "only"}], "no user query"),
         ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], "messages[1].role"),
-        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
-         "messages[1].tool_calls[0].function.arguments"),
+        (
+            [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]},
+            ],
+            "messages[1].tool_calls[0].function.arguments",
+        ),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "messages[0].content[0]"),
         ([{"content": "no role"}], "messages[0].role"),
     ],
@@ -242,3 +293,19 @@ def test_checkpoint_template_is_used(tmp_path, tokenizer):
     rendered = renderer.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     assert rendered.text == "<|im_start|>user:a<|im_end|><|im_start|>assistant:b<|im_end|>"
     assert rendered.starts == (0, rendered.token_ids.index(248045, 1))
+
+
+def test_user_interrupting_a_tool_call_turn(native):
+    history = [{"role": "user", "content": "find it"}]
+    reply = {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "look it up",
+        "tool_calls": [{"function": {"name": "search", "arguments": {"q": "it"}}}],
+    }
+    as_tool_turn = native.render_continuation(history, reply)
+    assert "<think>\nlook it up\n</think>" in as_tool_turn.text
+    cont = native.render_continuation(history, reply, next_role="user")
+    nxt = native.render([*history, reply, {"role": "user", "content": "never mind"}])
+    assert "look it up" not in cont.text
+    assert nxt.token_ids[: len(cont.token_ids)] == cont.token_ids and len(cont.token_ids) in nxt.starts

@@ -22,8 +22,12 @@ CONFIGS = {
     "gva-untied": small_config(),
     # tied embeddings, key heads == value heads, MHA-like attention (4 q / 4 kv heads)
     "tied": small_config(
-        tie_word_embeddings=True, linear_num_key_heads=2, linear_num_value_heads=2, num_key_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=16,
+        tie_word_embeddings=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        num_key_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
     ),
     # 8 layers with an irregular hybrid pattern, 3x value grouping, half-rotary, 2 shards
     "deep": small_config(

@@ -124,10 +124,14 @@ BAD = {
     "unknown architecture": (_nested(architectures=["LlamaForCausalLM"]), "architectures"),
     "inner type contradicts": (_nested(text_config__model_type="qwen3_5_moe_text"), "text_config.model_type"),
     "interval contradicts layer_types": (
-        _nested(text_config__layer_types=[LINEAR] * 63 + [FULL]), "text_config.layer_types"
+        _nested(text_config__layer_types=[LINEAR] * 63 + [FULL]),
+        "text_config.layer_types",
     ),
     "unknown layer type": (_nested(text_config__layer_types=["mamba"] * 64), "text_config.layer_types[0]"),
-    "layer_types length": (_nested(text_config__layer_types=[FULL] * 3, text_config__full_attention_interval=_DELETE), "text_config.layer_types"),
+    "layer_types length": (
+        _nested(text_config__layer_types=[FULL] * 3, text_config__full_attention_interval=_DELETE),
+        "text_config.layer_types",
+    ),
     "rope type": (_nested(text_config__rope_parameters={"rope_type": "yarn"}), "rope_type"),
     "rope theta contradicts": (_nested(text_config__rope_theta=5.0), "text_config.rope_theta"),
     "tie contradicts": (_nested(text_config__tie_word_embeddings=True), "text_config.tie_word_embeddings"),
@@ -179,7 +183,12 @@ def test_load_config_names_the_file(tmp_path):
 
 def test_presets():
     assert set(PRESET_NAMES) == {
-        "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
+        "qwen3.5-0.8b",
+        "qwen3.5-2b",
+        "qwen3.5-4b",
+        "qwen3.5-9b",
+        "qwen3.5-27b",
+        "qwen3.5-35b-a3b",
     }
     for name in PRESET_NAMES:
         config = preset(name)

@@ -140,8 +140,24 @@ def test_state_bytes_formula_for_27b():
 
 def test_state_bytes_of_live_state(backend, whole):
     c = backend.config
-    expected = len(c.linear_layers) * (
-        4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        + (c.linear_conv_kernel_dim - 1) * c.conv_channels * 2
-    ) + PROMPT_ROWS * len(c.full_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
+    expected = (
+        len(c.linear_layers)
+        * (
+            4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+            + (c.linear_conv_kernel_dim - 1) * c.conv_channels * 2
+        )
+        + PROMPT_ROWS * len(c.full_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
+    )
     assert backend.state_bytes(whole[1]) == expected
+
+
+def test_planted_wrong_restore_is_caught(backend, prompt, whole):
+    """A restore that forgets the conv tails must fail the restore-equals-straight check."""
+    state = backend.new_state()
+    backend.prefill(state, prompt, (0, 90), want_logits=False)
+    broken = backend.restore(backend.snapshot(state))
+    for i in broken.conv_tail:
+        broken.conv_tail[i][:] = 0.0
+    logits = backend.prefill(broken, prompt, (90, PROMPT_ROWS))
+    with pytest.raises(AssertionError, match="max abs error"):
+        assert_close("planted", whole[0], logits, 1e-5, rel=True)

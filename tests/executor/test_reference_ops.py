@@ -78,7 +78,11 @@ def test_gated_delta_rule_lanes_are_independent():
     out, new = ops.gated_delta_rule_step(q, k, v, g, beta, lanes)
     for lane in range(3):
         o, s = ops.gated_delta_rule_step(
-            q[lane : lane + 1], k[lane : lane + 1], v[lane : lane + 1], g[lane : lane + 1], beta[lane : lane + 1],
+            q[lane : lane + 1],
+            k[lane : lane + 1],
+            v[lane : lane + 1],
+            g[lane : lane + 1],
+            beta[lane : lane + 1],
             lanes[lane : lane + 1],
         )
         assert np.array_equal(o[0], out[lane]) and np.array_equal(s[0], new[lane])
@@ -170,7 +174,11 @@ def test_attention_matches_eager_with_offset():
     for i in range(total - start):
         mask[i, : start + i + 1] = 0.0
     ref, _ = qm.eager_attention_forward(
-        M(), T(q).transpose(0, 1)[None], T(k).transpose(0, 1)[None], T(v).transpose(0, 1)[None], mask[None, None],
+        M(),
+        T(q).transpose(0, 1)[None],
+        T(k).transpose(0, 1)[None],
+        T(v).transpose(0, 1)[None],
+        mask[None, None],
         scaling=d**-0.5,
     )
     assert_close("attention", ref[0].numpy(), out, 1e-5, rel=True)

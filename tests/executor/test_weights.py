@@ -65,8 +65,13 @@ def _rewrite(path, mutate):
     header = read_header(path)
     tensors = {}
     for name, entry in header.items():
-        array = np.memmap(path, dtype=np.uint16 if entry.dtype == "bfloat16" else np.float32, mode="r",
-                          offset=entry.begin, shape=entry.shape)
+        array = np.memmap(
+            path,
+            dtype=np.uint16 if entry.dtype == "bfloat16" else np.float32,
+            mode="r",
+            offset=entry.begin,
+            shape=entry.shape,
+        )
         tensors[name] = (entry.dtype, np.array(array))
     mutate(tensors)
     write_file(path, tensors)
@@ -86,7 +91,9 @@ def test_missing_tensor(checkpoint):
 
 def test_wrong_shape(checkpoint):
     name = "model.language_model.layers.3.self_attn.k_proj.weight"
-    _rewrite(checkpoint / "model.safetensors", lambda t: t.__setitem__(name, ("bfloat16", np.zeros((3, 64), np.uint16))))
+    _rewrite(
+        checkpoint / "model.safetensors", lambda t: t.__setitem__(name, ("bfloat16", np.zeros((3, 64), np.uint16)))
+    )
     with pytest.raises(CheckpointError) as info:
         load_weights(checkpoint)
     _one_line(info.value, "model.safetensors", name, "shape [3, 64]", "[64, 64]")
@@ -94,14 +101,21 @@ def test_wrong_shape(checkpoint):
 
 def test_wrong_dtype(checkpoint):
     name = "model.language_model.layers.0.mlp.up_proj.weight"
-    _rewrite(checkpoint / "model.safetensors", lambda t: t.__setitem__(name, ("float32", np.zeros((96, 64), np.float32))))
+    _rewrite(
+        checkpoint / "model.safetensors", lambda t: t.__setitem__(name, ("float32", np.zeros((96, 64), np.float32)))
+    )
     with pytest.raises(CheckpointError) as info:
         load_weights(checkpoint)
     _one_line(info.value, "model.safetensors", name, "dtype float32")
 
 
 def test_unexpected_tensor_and_mixed_layout(checkpoint):
-    _rewrite(checkpoint / "model.safetensors", lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", t["model.language_model.layers.0.mlp.up_proj.weight"]))
+    _rewrite(
+        checkpoint / "model.safetensors",
+        lambda t: t.__setitem__(
+            "model.layers.0.mlp.up_proj.weight", t["model.language_model.layers.0.mlp.up_proj.weight"]
+        ),
+    )
     with pytest.raises(CheckpointError) as info:
         load_weights(checkpoint)
     _one_line(info.value, "model.layers.0.mlp.up_proj.weight", "layout")
@@ -150,3 +164,10 @@ def test_moe_weights_are_not_loaded_yet(tmp_path):
 
     with pytest.raises(NotImplementedError, match="MoE"):
         expected_shapes(preset("qwen3.5-35b-a3b"))
+
+
+def test_random_checkpoints_are_deterministic(tmp_path):
+    a = random_checkpoint(small_config(), 8, tmp_path / "a", shards=2)
+    b = random_checkpoint(small_config(), 8, tmp_path / "b", shards=2)
+    for name in ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()

@@ -58,7 +58,7 @@ def test_format_policy_text():
         PolicyConfig(grid_rows=1, max_chunk_rows=1, tail_rows=1, lanes=1, queue_rows=1),
         PolicyConfig(prompt_cache_bytes=0, warm_enabled=False, request_starts=False),
         PolicyConfig(warm_quiet_ms=0.1 + 0.2, idle_half_life_s=1e-9, prompt_cache_bytes=2**62),
-        PolicyConfig(warm_quiet_ms=math.inf, idle_half_life_s=0.0),
+        PolicyConfig(warm_quiet_ms=math.inf, idle_half_life_s=math.inf),
     ],
     ids=["defaults", "all-ones", "cache-off", "awkward-floats", "inf-quiet"],
 )
@@ -97,6 +97,8 @@ def test_unknown_key_is_an_error_naming_the_key():
         ("warm_quiet_ms = -1", "warm_quiet_ms"),
         ("warm_quiet_ms = nan", "warm_quiet_ms"),
         ("idle_half_life_s = -0.5", "idle_half_life_s"),
+        ("idle_half_life_s = 0", "idle_half_life_s"),
+        ("idle_half_life_s = nan", "idle_half_life_s"),
         ("prompt_cache_bytes = -1", "prompt_cache_bytes"),
         ("prompt_cache_bytes = 1.5", "prompt_cache_bytes"),
         ("prompt_cache_bytes = '64GiB'", "prompt_cache_bytes"),

@@ -185,8 +185,9 @@ ROLES = st.sampled_from(["system", "user", "tool"])
 def message_lists(draw):
     out: list[Message] = []
     for _ in range(draw(st.integers(1, 5))):
-        for _ in range(draw(st.integers(0 if out and out[-1].is_primer else 1, 3))):
-            out.append(msg(draw(ROLES), draw(st.integers(1, 5000)), think_s=draw(st.none() | st.floats(0, 100)),
+        for k in range(draw(st.integers(0 if out and out[-1].is_primer else 1, 3))):
+            think_s = draw(st.none() | st.floats(0, 100)) if k == 0 else None  # one timing per request
+            out.append(msg(draw(ROLES), draw(st.integers(1, 5000)), think_s=think_s,
                            content_id=draw(st.none() | st.integers(0, 3))))
         if draw(st.integers(0, 5)) == 0:
             out.append(Message(role=Role.ASSISTANT, max_tokens=0))

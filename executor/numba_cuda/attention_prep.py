@@ -1,0 +1,135 @@
+"""QK-norm and partial RoPE of the gated attention, and the K/V write into the cache.
+
+`q_norm_rope` reads the query half of each head of the q_proj output (the gate half is
+read later by attention's combine); `kv_norm_rope_store` norms and rotates K, and writes
+K and V as bf16 at their absolute rows in a stream's cache. Twins: ops.split_query_gate,
+ops.rms_norm (QK-norm), ops.rope. One block per (row, head); angles in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
+from executor.numba_cuda.norms import block_sum
+
+MAX_HEAD_DIM = 512
+_F32 = np.float32
+
+
+def inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
+    """float64 [rotary_dim / 2]: theta^(-2i / rotary_dim), as in ops.rope."""
+    return 1.0 / (float(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+
+
+@cuda.jit(device=True)
+def _norm_rope(src, row, col0, dim, weight, freqs, position, eps, vals, buf):
+    """Load src[row, col0:col0+dim] into vals, RMS-norm it with (1 + weight) and rotate
+    its first 2 * len(freqs) dims by `position` (rotate-half). Leaves the result in vals."""
+    t = cuda.threadIdx.x
+    ssq = _F32(0.0)
+    for i in range(t, dim, THREADS):
+        v = src[row, col0 + i]
+        vals[i] = v
+        ssq += v * v
+    total = block_sum(buf, ssq)
+    inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
+    for i in range(t, dim, THREADS):
+        vals[i] = (vals[i] * inv) * (_F32(1.0) + weight[i])
+    cuda.syncthreads()
+    half = freqs.shape[0]
+    a = np.float64(0.0)
+    b = np.float64(0.0)
+    c = np.float64(0.0)
+    s = np.float64(0.0)
+    if t < half:
+        angle = np.float64(position) * freqs[t]
+        c = math.cos(angle)
+        s = math.sin(angle)
+        a = np.float64(vals[t])
+        b = np.float64(vals[t + half])
+    cuda.syncthreads()
+    if t < half:
+        vals[t] = _F32(a * c - b * s)
+        vals[t + half] = _F32(b * c + a * s)
+    cuda.syncthreads()
+
+
+@cuda.jit
+def _q_kernel(qg, weight, freqs, positions, eps, head_dim, out):
+    # qg: [rows, heads * 2 * head_dim] f32; positions: [rows] i32; out: [rows, heads, head_dim] f32
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    vals = cuda.shared.array(MAX_HEAD_DIM, np.float32)
+    buf = cuda.shared.array(THREADS, np.float32)
+    _norm_rope(qg, row, head * 2 * head_dim, head_dim, weight, freqs, positions[row], eps, vals, buf)
+    for i in range(cuda.threadIdx.x, head_dim, THREADS):
+        out[row, head, i] = vals[i]
+
+
+def q_norm_rope(qg, weight, freqs, positions, eps: float, heads: int, head_dim: int, out=None, stream=0):
+    """Query of each head: rope(rms_norm(query, weight, eps), positions).
+
+    qg: f32 device [rows, heads * 2 * head_dim] (q_proj output: per head query then gate);
+    weight: f32 [head_dim]; freqs: f64 [rotary_dim / 2] (`inv_freq`); positions: i32 [rows];
+    returns f32 [rows, heads, head_dim]. Twins: ops.split_query_gate, ops.rms_norm, ops.rope.
+    """
+    check("qg", qg, np.float32, 2)
+    check("positions", positions, np.int32, 1)
+    rows = qg.shape[0]
+    if qg.shape[1] != heads * 2 * head_dim or positions.shape[0] != rows:
+        raise ValueError(f"qg {qg.shape} / positions {positions.shape} do not fit {heads} heads of {head_dim}")
+    if head_dim > MAX_HEAD_DIM or 2 * freqs.shape[0] > head_dim or freqs.shape[0] > THREADS:
+        raise ValueError(f"head_dim {head_dim} / rotary pairs {freqs.shape[0]} unsupported")
+    out = empty((rows, heads, head_dim), np.float32, stream) if out is None else out
+    if rows:
+        _q_kernel[(rows, heads), THREADS, stream](qg, weight, freqs, positions, eps, head_dim, out)
+    return out
+
+
+@cuda.jit
+def _kv_kernel(kv, weight, freqs, positions, slots, eps, kcache, vcache):
+    # kv: [rows, 2 * kv_heads * head_dim] f32 (K columns, then V columns)
+    # kcache, vcache: [slots, capacity_rows, kv_heads, head_dim] bf16
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    kv_heads = kcache.shape[2]
+    head_dim = kcache.shape[3]
+    slot = slots[row]
+    pos = positions[row]
+    t = cuda.threadIdx.x
+    if cuda.blockIdx.z == 1:
+        col0 = (kv_heads + head) * head_dim
+        for i in range(t, head_dim, THREADS):
+            vcache[slot, pos, head, i] = f32_to_bf16(kv[row, col0 + i])
+        return
+    vals = cuda.shared.array(MAX_HEAD_DIM, np.float32)
+    buf = cuda.shared.array(THREADS, np.float32)
+    _norm_rope(kv, row, head * head_dim, head_dim, weight, freqs, pos, eps, vals, buf)
+    for i in range(t, head_dim, THREADS):
+        kcache[slot, pos, head, i] = f32_to_bf16(vals[i])
+
+
+def kv_norm_rope_store(kv, weight, freqs, positions, slots, eps: float, kcache, vcache, stream=0):
+    """Write bf16 rope(rms_norm(k)) and bf16 v of each row into the cache at
+    [slots[r], positions[r]].
+
+    kv: f32 device [rows, 2 * kv_heads * head_dim] (k_proj | v_proj output); weight: f32
+    [head_dim] (k_norm); freqs: f64 [rotary_dim / 2]; positions, slots: i32 [rows];
+    kcache, vcache: uint16 [slots, capacity_rows, kv_heads, head_dim] (one layer).
+    Twins: ops.rms_norm, ops.rope (then rounded to bf16).
+    """
+    check("kv", kv, np.float32, 2)
+    check("kcache", kcache, np.uint16, 4)
+    check("vcache", vcache, np.uint16, 4)
+    rows = kv.shape[0]
+    _, capacity, kv_heads, head_dim = kcache.shape
+    if kv.shape[1] != 2 * kv_heads * head_dim or positions.shape[0] != rows or slots.shape[0] != rows:
+        raise ValueError(f"kv {kv.shape} / positions / slots do not fit the cache {kcache.shape}")
+    if head_dim > MAX_HEAD_DIM or 2 * freqs.shape[0] > head_dim or freqs.shape[0] > THREADS:
+        raise ValueError(f"head_dim {head_dim} / rotary pairs {freqs.shape[0]} unsupported")
+    if rows:
+        _kv_kernel[(rows, kv_heads, 2), THREADS, stream](kv, weight, freqs, positions, slots, eps, kcache, vcache)

@@ -1,0 +1,69 @@
+"""Elementwise kernels: the embedding gather and the SwiGLU product.
+
+Twins: `ops.embed` and `ops.silu(gate) * up` (the middle of `ops.swiglu_mlp`). The
+attention output gate is fused into attention's combine (attention.py); residual adds
+into the next norm (norms.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from executor.numba_cuda.device import THREADS, bf16_to_f32, blocks, check, empty, f32_to_bf16
+
+_F32 = np.float32
+
+
+@cuda.jit
+def _embed_kernel(token_ids, table, out):
+    # token_ids: [rows] i32; table: [vocab, hidden] bf16; out: [rows, hidden] f32
+    row = cuda.blockIdx.y
+    i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+    if i < out.shape[1]:
+        out[row, i] = bf16_to_f32(table[token_ids[row], i])
+
+
+def embed(token_ids, table, out=None, stream=0):
+    """out[r] = float32(table[token_ids[r]]).
+
+    token_ids: i32 device [rows] (ids already checked against the vocabulary);
+    table: uint16 (bf16) [vocab, hidden]; returns f32 [rows, hidden]. Twin: ops.embed.
+    """
+    check("token_ids", token_ids, np.int32, 1)
+    check("table", table, np.uint16, 2)
+    rows, hidden = token_ids.shape[0], table.shape[1]
+    out = empty((rows, hidden), np.float32, stream) if out is None else out
+    if rows:
+        _embed_kernel[(blocks(hidden), rows), THREADS, stream](token_ids, table, out)
+    return out
+
+
+@cuda.jit
+def _swiglu_kernel(gate_up, out):
+    # gate_up: [rows, 2 * inter] f32 (gate columns, then up columns); out: [rows, inter] bf16
+    row = cuda.blockIdx.y
+    i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+    inter = out.shape[1]
+    if i < inter:
+        g = gate_up[row, i]
+        silu = g / (_F32(1.0) + math.exp(-g))
+        out[row, i] = f32_to_bf16(silu * gate_up[row, inter + i])
+
+
+def swiglu(gate_up, out=None, stream=0):
+    """out = bf16(silu(gate) * up) where gate_up = [gate | up] per row.
+
+    gate_up: f32 device [rows, 2 * inter] (the fused gate_proj|up_proj GEMM output);
+    returns uint16 (bf16) [rows, inter]. Twin: ops.silu(gate) * up.
+    """
+    check("gate_up", gate_up, np.float32, 2)
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up has an odd width {width}")
+    out = empty((rows, width // 2), np.uint16, stream) if out is None else out
+    if rows:
+        _swiglu_kernel[(blocks(width // 2), rows), THREADS, stream](gate_up, out)
+    return out

@@ -1,0 +1,121 @@
+"""Row norms: zero-centred RMSNorm with the residual add fused in front, and the gated
+RMSNorm of the linear-attention output. Both write bf16, the input of the next GEMM.
+
+Twins: `ops.rms_norm` (after `x + delta`) and `ops.gated_rms_norm`. QK-norm lives in
+attention_prep.py. One block per row (or per row and head); fp32 math, fixed-order
+shared-memory reductions, so a row's bits never depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
+
+_F32 = np.float32
+
+
+@cuda.jit(device=True)
+def block_sum(buf, value):
+    """Sum `value` over the block's THREADS threads (fixed tree order); all get the sum."""
+    t = cuda.threadIdx.x
+    buf[t] = value
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:
+        if t < step:
+            buf[t] += buf[t + step]
+        cuda.syncthreads()
+        step //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit
+def _add_rms_norm_kernel(x, delta, has_delta, weight, eps, out):
+    # x: [rows, dim] f32 (updated in place when has_delta); delta: [rows, dim] f32
+    # weight: [dim] f32; out: [rows, dim] bf16
+    row = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    dim = x.shape[1]
+    buf = cuda.shared.array(THREADS, np.float32)
+    ssq = _F32(0.0)
+    for i in range(t, dim, THREADS):
+        v = x[row, i]
+        if has_delta:
+            v = v + delta[row, i]
+            x[row, i] = v
+        ssq += v * v
+    total = block_sum(buf, ssq)
+    inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
+    for i in range(t, dim, THREADS):
+        normed = x[row, i] * inv
+        out[row, i] = f32_to_bf16(normed * (_F32(1.0) + weight[i]))
+
+
+def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0):
+    """x += delta (when given, in place), then out = bf16(rms_norm(x, weight, eps)).
+
+    x: f32 device [rows, dim] (rows may be a row slice); delta: f32 [rows, dim] or None;
+    weight: f32 [dim]; returns out: uint16 (bf16 bits) [rows, dim].
+    Twin: ops.rms_norm(x + delta, weight, eps).
+    """
+    check("x", x, np.float32, 2)
+    check("weight", weight, np.float32, 1)
+    rows, dim = x.shape
+    if weight.shape[0] != dim:
+        raise ValueError(f"weight has {weight.shape[0]} entries, x has {dim} columns")
+    if delta is not None:
+        check("delta", delta, np.float32, 2)
+        if tuple(delta.shape) != tuple(x.shape):
+            raise ValueError(f"delta shape {delta.shape} != x shape {x.shape}")
+    out = empty((rows, dim), np.uint16, stream) if out is None else out
+    if rows:
+        has = 1 if delta is not None else 0
+        _add_rms_norm_kernel[rows, THREADS, stream](x, x if delta is None else delta, has, weight, eps, out)
+    return out
+
+
+@cuda.jit
+def _gated_rms_norm_kernel(x, gate, weight, eps, out):
+    # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32
+    # out: [rows, heads * dim] bf16
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    dim = x.shape[2]
+    buf = cuda.shared.array(THREADS, np.float32)
+    ssq = _F32(0.0)
+    for i in range(t, dim, THREADS):
+        v = x[row, head, i]
+        ssq += v * v
+    total = block_sum(buf, ssq)
+    inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
+    for i in range(t, dim, THREADS):
+        g = gate[row, head * dim + i]
+        silu = g / (_F32(1.0) + math.exp(-g))
+        out[row, head * dim + i] = f32_to_bf16(x[row, head, i] * inv * weight[i] * silu)
+
+
+def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
+    """out = bf16(rms_norm(x) * weight * silu(gate)) per head.
+
+    x: f32 [rows, heads, dim]; gate: f32 [rows, heads * dim] (may be a column slice of a
+    wider GEMM output); weight: f32 [dim]; returns uint16 (bf16) [rows, heads * dim].
+    Twin: ops.gated_rms_norm (its output flattened per row).
+    """
+    check("x", x, np.float32, 3)
+    check("gate", gate, np.float32, 2)
+    check("weight", weight, np.float32, 1)
+    rows, heads, dim = x.shape
+    if tuple(gate.shape) != (rows, heads * dim) or weight.shape[0] != dim:
+        raise ValueError(f"gate {gate.shape} / weight {weight.shape} do not fit x {x.shape}")
+    out = empty((rows, heads * dim), np.uint16, stream) if out is None else out
+    if rows:
+        _gated_rms_norm_kernel[(rows, heads), THREADS, stream](x, gate, weight, eps, out)
+    return out
+

@@ -1,0 +1,67 @@
+"""Kernel cases of causal attention (+ the fused sigmoid output gate) against the NumPy
+twins: prefill tiles, row invariance across chunkings, and decode lanes with several
+splits. Run under the CUDA simulator or on a GPU; outputs poisoned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from executor.numba_cuda import attention
+from executor.numba_cuda.device import poisoned, to_device
+from executor.reference import ops
+from tests.executor.numba_cuda.kernel_support import as_f32, bf16, host, rng
+from tests.helpers import assert_close
+
+TOL = 8e-3  # bf16 output
+
+
+def _cache(r, slots, capacity, kv_heads, head_dim):
+    return bf16(r.normal(size=(slots, capacity, kv_heads, head_dim))), bf16(r.normal(size=(slots, capacity, kv_heads, head_dim)))
+
+
+def _run(q, qg, slots, positions, kc, vc, tile_rows, split_rows):
+    with poisoned():
+        out = attention.attention(
+            to_device(q), to_device(np.asarray(slots, np.int32)), to_device(np.asarray(positions, np.int32)),
+            int(max(positions)), kc, vc, to_device(qg), tile_rows, split_rows,
+        )
+    return host(out)
+
+
+def _ref(q, qg, k, v, start):
+    rows, heads, head_dim = q.shape
+    out = ops.attention(q, k, v, start).reshape(rows, -1)
+    gate = qg.reshape(rows, heads, 2 * head_dim)[:, :, head_dim:].reshape(rows, -1)
+    return ops.sigmoid_gate(out, gate)
+
+
+def test_prefill_attention_matches_twin_and_is_row_invariant():
+    r = rng()
+    heads, kv_heads, head_dim, start, rows = 4, 2, 16, 5, 11
+    kh, vh = _cache(r, 2, 20, kv_heads, head_dim)
+    kc, vc = to_device(kh), to_device(vh)
+    q = r.normal(size=(rows, heads, head_dim)).astype(np.float32)
+    qg = r.normal(size=(rows, heads * 2 * head_dim)).astype(np.float32)
+    positions = np.arange(start, start + rows)
+    out = _run(q, qg, [1] * rows, positions, kc, vc, attention.TILE_ROWS, attention.PREFILL_SPLIT_ROWS)
+    ref = _ref(q, qg, as_f32(kh[1]), as_f32(vh[1]), start)
+    assert_close("prefill attention", ref, as_f32(out), TOL, rel=True)
+    tail = _run(q[7:], qg[7:], [1] * (rows - 7), positions[7:], kc, vc, attention.TILE_ROWS, attention.PREFILL_SPLIT_ROWS)
+    np.testing.assert_array_equal(tail, out[7:])
+
+
+def test_decode_attention_lanes_with_splits():
+    r = rng()
+    heads, kv_heads, head_dim = 2, 1, 16
+    kh, vh = _cache(r, 3, 12, kv_heads, head_dim)
+    kc, vc = to_device(kh), to_device(vh)
+    slots, positions = [2, 0], [9, 3]
+    q = r.normal(size=(2, heads, head_dim)).astype(np.float32)
+    qg = r.normal(size=(2, heads * 2 * head_dim)).astype(np.float32)
+    out = _run(q, qg, slots, positions, kc, vc, 1, 4)
+    for lane, (slot, pos) in enumerate(zip(slots, positions)):
+        ref = _ref(q[lane : lane + 1], qg[lane : lane + 1], as_f32(kh[slot]), as_f32(vh[slot]), pos)
+        assert_close(f"lane {lane}", ref, as_f32(out[lane : lane + 1]), TOL, rel=True)
+    solo = _run(q[1:], qg[1:], slots[1:], positions[1:], kc, vc, 1, 4)
+    np.testing.assert_array_equal(solo[0], out[1])

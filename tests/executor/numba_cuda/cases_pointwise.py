@@ -1,0 +1,121 @@
+"""Kernel cases (embedding, norms, SwiGLU, GEMV, QK-norm + RoPE + K/V store) against the
+NumPy twins in executor/reference/ops.py. Run by test_kernels_simulated.py under the CUDA
+simulator, or directly with pytest on a GPU. Outputs are poisoned before launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from executor.numba_cuda import attention_prep, elementwise, gemv, norms
+from executor.numba_cuda.device import poisoned, to_device
+from executor.reference import ops
+from tests.executor.numba_cuda.kernel_support import as_f32, bf16, host, rng
+from tests.helpers import assert_close
+
+BF16_TOL = 8e-3  # relative to max |ref|: bf16 output rounding plus fp32 math
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_embed(rows):
+    r = rng()
+    table = bf16(r.normal(size=(50, 40)))
+    ids = r.integers(0, 50, rows).astype(np.int32)
+    with poisoned():
+        out = host(elementwise.embed(to_device(ids), to_device(table)))
+    np.testing.assert_array_equal(out, ops.embed(ids, as_f32(table)))
+
+
+@pytest.mark.parametrize("with_delta", [False, True], ids=["plain", "residual"])
+def test_add_rms_norm(with_delta):
+    r = rng()
+    x = r.normal(size=(3, 200)).astype(np.float32)
+    delta = r.normal(size=(3, 200)).astype(np.float32)
+    weight = r.normal(0, 0.1, 200).astype(np.float32)
+    dx = to_device(x)
+    with poisoned():
+        out = host(norms.add_rms_norm(dx, to_device(weight), 1e-6, delta=to_device(delta) if with_delta else None))
+    summed = x + delta if with_delta else x
+    np.testing.assert_array_equal(dx.copy_to_host(), summed)
+    assert_close("add_rms_norm", ops.rms_norm(summed, weight, 1e-6), as_f32(out), BF16_TOL, rel=True)
+
+
+def test_gated_rms_norm_reads_a_column_slice():
+    r = rng()
+    rows, heads, dim = 2, 3, 16
+    x = r.normal(size=(rows, heads, dim)).astype(np.float32)
+    wide = r.normal(size=(rows, 5 + heads * dim)).astype(np.float32)
+    weight = (1 + r.normal(0, 0.1, dim)).astype(np.float32)
+    with poisoned():
+        out = host(norms.gated_rms_norm(to_device(x), to_device(wide)[:, 5:], to_device(weight), 1e-6))
+    ref = ops.gated_rms_norm(x, wide[:, 5:].reshape(rows, heads, dim), weight, 1e-6).reshape(rows, -1)
+    assert_close("gated_rms_norm", ref, as_f32(out), BF16_TOL, rel=True)
+
+
+def test_swiglu():
+    r = rng()
+    gate_up = r.normal(size=(3, 2 * 70)).astype(np.float32)
+    with poisoned():
+        out = host(elementwise.swiglu(to_device(gate_up)))
+    ref = ops.silu(gate_up[:, :70]) * gate_up[:, 70:]
+    assert_close("swiglu", ref, as_f32(out), BF16_TOL, rel=True)
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_gemv_matches_linear_and_is_row_invariant(rows):
+    r = rng()
+    x = bf16(r.normal(size=(rows, 64)))
+    w = bf16(r.normal(size=(5, 64)) / 8)
+    dw = to_device(w)
+    with poisoned():
+        out = host(gemv.gemv(to_device(x), dw))
+        alone = host(gemv.gemv(to_device(x[rows - 1 :]), dw))
+    assert_close("gemv", ops.linear(as_f32(x), as_f32(w)), out, 1e-5, rel=True)
+    np.testing.assert_array_equal(alone[0], out[rows - 1])
+
+
+def test_q_norm_rope():
+    r = rng()
+    rows, heads, head_dim, rotary = 3, 2, 16, 4
+    qg = r.normal(size=(rows, heads * 2 * head_dim)).astype(np.float32)
+    weight = r.normal(0, 0.1, head_dim).astype(np.float32)
+    positions = np.arange(5, 5 + rows, dtype=np.int32)
+    freqs = attention_prep.inv_freq(1e6, rotary)
+    with poisoned():
+        out = host(
+            attention_prep.q_norm_rope(
+                to_device(qg), to_device(weight), to_device(freqs), to_device(positions), 1e-6, heads, head_dim
+            )
+        )
+    query, _ = ops.split_query_gate(qg, heads, head_dim)
+    ref = ops.rope(ops.rms_norm(query, weight, 1e-6), positions, 1e6, rotary)
+    assert_close("q_norm_rope", ref, out, 1e-5, rel=True)
+
+
+def test_kv_norm_rope_store_writes_its_rows_only():
+    r = rng()
+    rows, kv_heads, head_dim, rotary, slots, capacity = 3, 2, 16, 8, 2, 12
+    kv = r.normal(size=(rows, 2 * kv_heads * head_dim)).astype(np.float32)
+    weight = r.normal(0, 0.1, head_dim).astype(np.float32)
+    positions = np.arange(7, 7 + rows, dtype=np.int32)
+    slot = np.full(rows, 1, np.int32)
+    freqs = attention_prep.inv_freq(1e4, rotary)
+    with poisoned():
+        from executor.numba_cuda.device import empty
+
+        kcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
+        vcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
+        attention_prep.kv_norm_rope_store(
+            to_device(kv), to_device(weight), to_device(freqs), to_device(positions), to_device(slot), 1e-6,
+            kcache, vcache,
+        )
+    k_host = kcache.copy_to_host()[1, 7:10]
+    v_host = vcache.copy_to_host()[1, 7:10]
+    k = kv[:, : kv_heads * head_dim].reshape(rows, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim :].reshape(rows, kv_heads, head_dim)
+    ref = ops.rope(ops.rms_norm(k, weight, 1e-6), positions, 1e4, rotary)
+    assert_close("k cache", ref, as_f32(k_host), BF16_TOL, rel=True)
+    np.testing.assert_array_equal(v_host, bf16(v))
+    untouched = as_f32(kcache.copy_to_host()[0])
+    assert np.isnan(untouched).all(), "kv_norm_rope_store wrote outside its slot"

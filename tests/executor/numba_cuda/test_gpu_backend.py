@@ -1,0 +1,216 @@
+"""The numba-cuda backend on a real GPU: logits against the reference backend, and the
+bit-exact contracts (resumed == fresh, concurrent == solo, tail == full, chunk
+invariance on the 64-row grid), each with a planted break that must turn it red.
+Marked `cuda`; skips cleanly without an NVIDIA GPU and numba-cuda + nvmath-python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from executor.numba_cuda.device import is_gpu_available
+
+pytestmark = pytest.mark.cuda
+if not is_gpu_available():
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+pytest.importorskip("nvmath")
+
+from executor.config import FULL, LINEAR  # noqa: E402
+from executor.model import random_checkpoint  # noqa: E402
+from executor.numba_cuda import attention, backend as nb_backend  # noqa: E402
+from executor.numba_cuda.backend import NumbaCudaBackend  # noqa: E402
+from executor.reference.backend import ReferenceBackend  # noqa: E402
+from executor.weights import load_weights  # noqa: E402
+from policy.shape import ModelShape, state_bytes  # noqa: E402
+from tests.executor.qwen_support import small_config  # noqa: E402
+
+CONFIGS = {
+    "gva-untied": small_config(),
+    "tied-deep": small_config(
+        tie_word_embeddings=True, num_hidden_layers=8, layer_types=(LINEAR, FULL, LINEAR, LINEAR, LINEAR, FULL, LINEAR, FULL),
+        linear_num_key_heads=1, linear_num_value_heads=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        partial_rotary_factor=0.5,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request, tmp_path_factory):
+    config = CONFIGS[request.param]
+    path = random_checkpoint(config, seed=3, out_dir=tmp_path_factory.mktemp(request.param))
+    weights = load_weights(path)
+    return ReferenceBackend(weights), NumbaCudaBackend(weights, slots=48, capacity_rows=1024)
+
+
+def _prompt(config, rows, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, config.vocab_size, rows)]
+
+
+def _rel(ref, out):
+    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def test_logits_and_greedy_tokens_match_reference(models):
+    ref, gpu = models
+    ids = _prompt(gpu.config, 57, 1)
+    rs, gs = ref.new_state(), gpu.new_state()
+    rl, gl = ref.prefill(rs, ids, (0, 57)), gpu.prefill(gs, ids, (0, 57))
+    worst = _rel(rl, gl)
+    rt, gt = [], []
+    for _ in range(32):
+        rt.append(int(np.argmax(rl)))
+        gt.append(int(np.argmax(gl)))
+        rl, gl = ref.decode([rs], [rt[-1]])[0], gpu.decode([gs], [gt[-1]])[0]
+        worst = max(worst, _rel(rl, gl))
+    gpu.release(gs)
+    print(f"worst relative logits error {worst:.2e}")
+    assert worst < 1e-2
+    assert gt == rt
+
+
+def _chunked(gpu, ids, cuts, tail_from=None):
+    state = gpu.new_state()
+    logits = None
+    for a, b in zip(cuts, cuts[1:]):
+        last = b == cuts[-1]
+        logits = gpu.prefill(state, ids, (a, b), want_logits=last, tail_from=tail_from if last else None)
+    payload = gpu.snapshot(state)
+    gpu.release(state)
+    return logits, payload.data.copy_to_host()
+
+
+def _same(x, y):
+    return all(np.array_equal(a, b) for a, b in zip(x, y))
+
+
+def test_chunk_invariance_on_the_64_row_grid(models):
+    _, gpu = models
+    ids = _prompt(gpu.config, 300, 2)
+    whole = _chunked(gpu, ids, [0, 300])
+    for cuts in ([0, 64, 128, 300], [0, 256, 300], [0, 64, 192, 256, 300]):
+        assert _same(whole, _chunked(gpu, ids, cuts)), cuts
+    off_grid = _chunked(gpu, ids, [0, 100, 300])
+    assert _same(off_grid, _chunked(gpu, ids, [0, 100, 128, 300]))
+
+
+def test_chunk_invariance_catches_a_planted_break(models, monkeypatch):
+    _, gpu = models
+    ids = _prompt(gpu.config, 200, 4)
+    whole = _chunked(gpu, ids, [0, 200])
+    real = nb_backend.conv.causal_conv1d
+
+    def forgets_the_tail(x, row_start, slots, weight, tails, out=None, stream=0):
+        tails.copy_to_device(np.zeros(tails.shape, tails.dtype))  # planted: the conv tail is not carried
+        return real(x, row_start, slots, weight, tails, out, stream)
+
+    monkeypatch.setattr(nb_backend.conv, "causal_conv1d", forgets_the_tail)
+    assert not _same(whole, _chunked(gpu, ids, [0, 64, 200]))
+
+
+def test_tail_equals_full(models):
+    _, gpu = models
+    ids = _prompt(gpu.config, 300, 5)
+    full = _chunked(gpu, ids, [0, 300])
+    assert _same(full, _chunked(gpu, ids, [0, 300], tail_from=172))
+    assert _same(full, _chunked(gpu, ids, [0, 256, 300], tail_from=299))
+
+
+def test_tail_catches_a_planted_break(models, monkeypatch):
+    _, gpu = models
+    ids = _prompt(gpu.config, 300, 6)
+    full = _chunked(gpu, ids, [0, 300])
+    real = nb_backend.attention_prep.q_norm_rope
+
+    def shifted(qg, weight, freqs, positions, *args, **kwargs):
+        if qg.shape[0] < 300:  # planted: the tail's queries are rotated one row late
+            positions = nb_backend.to_device(positions.copy_to_host() + 1)
+        return real(qg, weight, freqs, positions, *args, **kwargs)
+
+    monkeypatch.setattr(nb_backend.attention_prep, "q_norm_rope", shifted)
+    assert not _same(full, _chunked(gpu, ids, [0, 300], tail_from=172))
+
+
+def _resumed_matches_fresh(gpu, ids, cut, steps=4):
+    fresh = gpu.new_state()
+    gpu.prefill(fresh, ids, (0, cut), want_logits=False)
+    kept = gpu.snapshot(fresh)
+    shape = ModelShape(
+        linear_layers=len(gpu.config.linear_layers), attention_layers=len(gpu.config.full_layers),
+        linear_num_key_heads=gpu.config.linear_num_key_heads, linear_key_head_dim=gpu.config.linear_key_head_dim,
+        linear_num_value_heads=gpu.config.linear_num_value_heads, linear_value_head_dim=gpu.config.linear_value_head_dim,
+        linear_conv_kernel_dim=gpu.config.linear_conv_kernel_dim, num_key_value_heads=gpu.config.num_key_value_heads,
+        head_dim=gpu.config.head_dim,
+    )
+    assert gpu.payload_bytes(kept) == state_bytes(shape, cut) == gpu.config.state_bytes(cut)
+    resumed = gpu.restore(kept)
+    a = [gpu.prefill(fresh, ids, (cut, len(ids)))]
+    b = [gpu.prefill(resumed, ids, (cut, len(ids)))]
+    for _ in range(steps):
+        a.append(gpu.decode([fresh], [int(np.argmax(a[-1]))])[0])
+        b.append(gpu.decode([resumed], [int(np.argmax(b[-1]))])[0])
+    gpu.release(fresh)
+    gpu.release(resumed)
+    return _same(a, b)
+
+
+def test_resumed_equals_fresh(models):
+    _, gpu = models
+    ids = _prompt(gpu.config, 150, 7)
+    assert _resumed_matches_fresh(gpu, ids, 100)
+    assert _resumed_matches_fresh(gpu, ids, 128)
+
+
+def test_resumed_catches_a_planted_break(models, monkeypatch):
+    _, gpu = models
+    ids = _prompt(gpu.config, 150, 8)
+    real = gpu.pool.unpack
+
+    def drops_recurrent(data, slot, rows):
+        real(data, slot, rows)
+        gpu.pool.recurrent[0, slot].copy_to_device(np.zeros(gpu.pool.recurrent[0, slot].shape, np.float32))
+
+    monkeypatch.setattr(gpu.pool, "unpack", drops_recurrent)
+    assert not _resumed_matches_fresh(gpu, ids, 100)
+
+
+def _decode_lanes(gpu, prompts, lanes_at_once):
+    states = []
+    for ids in prompts:
+        s = gpu.new_state()
+        gpu.prefill(s, ids, (0, len(ids)), want_logits=False)
+        states.append(s)
+    out = []
+    for step in range(3):
+        tokens = [(7 * lane + step) % gpu.config.vocab_size for lane in range(len(states))]
+        rows = []
+        for g in range(0, len(states), lanes_at_once):
+            rows.append(gpu.decode(states[g : g + lanes_at_once], tokens[g : g + lanes_at_once]))
+        out.append(np.concatenate(rows))
+    for s in states:
+        gpu.release(s)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 7, 16])
+def test_concurrent_equals_solo(models, lanes):
+    _, gpu = models
+    prompts = [_prompt(gpu.config, 20 + 37 * i, 100 + i) for i in range(lanes)]
+    together = _decode_lanes(gpu, prompts, lanes)
+    solo = _decode_lanes(gpu, prompts, 1)
+    np.testing.assert_array_equal(together, solo)
+
+
+def test_concurrent_catches_a_planted_break(models, monkeypatch):
+    _, gpu = models
+    prompts = [_prompt(gpu.config, 600 + 37 * i, 200 + i) for i in range(4)]
+    solo = _decode_lanes(gpu, prompts, 1)
+    real = nb_backend.attention.attention
+
+    def split_by_batch(q, q_slot, q_pos, max_pos, kcache, vcache, qg, tile_rows, split_rows, out=None, stream=0):
+        split = 128 * q.shape[0] if tile_rows == 1 else split_rows  # planted: split size follows the batch
+        return real(q, q_slot, q_pos, max_pos, kcache, vcache, qg, tile_rows, split, out, stream)
+
+    monkeypatch.setattr(nb_backend.attention, "attention", split_by_batch)
+    assert not np.array_equal(_decode_lanes(gpu, prompts, 4), solo)
+    assert attention.DECODE_SPLIT_ROWS == 512

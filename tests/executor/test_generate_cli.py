@@ -1,0 +1,116 @@
+"""`python -m executor.generate`: the JSON output, seeds, logprobs, id-only checkpoints,
+and the built-in tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from executor.generate import GenerateRequest, generate, main
+from executor.model import random_checkpoint, tiny_config, tiny_model_dir
+from executor.reference.backend import ReferenceBackend
+from executor.sampling import SamplingParams
+from executor.weights import load_weights
+from tests.executor.qwen_support import small_config
+
+
+@pytest.fixture(scope="module")
+def idonly(tmp_path_factory):
+    return random_checkpoint(small_config(), 9, tmp_path_factory.mktemp("ids"), with_tokenizer=False)
+
+
+def _run(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_prompt_ids_without_tokenizer(capsys, idonly):
+    out = _run(
+        capsys, "--model", str(idonly), "--prompt-ids", "1,2,3,4", "--max-tokens", "5", "--json", "--logprobs", "3"
+    )
+    assert len(out["tokens"]) == 5 and out["text"] is None and out["finish_reason"] == "length"
+    assert len(out["top_logprobs"]) == 5
+    for step, token in zip(out["top_logprobs"], out["tokens"]):
+        assert len(step) == 3 and step[0][0] == token  # greedy picks the top entry
+        assert [lp for _, lp in step] == sorted((lp for _, lp in step), reverse=True)
+        assert all(lp <= 0 for _, lp in step)
+
+
+def test_library_greedy_matches_prefill_argmax(idonly):
+    backend = ReferenceBackend(load_weights(idonly))
+    result = generate(backend, GenerateRequest(prompt_ids=(5, 6, 7), max_tokens=3))
+    state = backend.new_state()
+    first = int(np.argmax(backend.prefill(state, [5, 6, 7], (0, 3))))
+    assert result.tokens[0] == first and len(result.tokens) == 3
+
+
+def test_seed_reproduces_a_sampled_reply(capsys, idonly):
+    args = [
+        "--model",
+        str(idonly),
+        "--prompt-ids",
+        "9,8,7",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "1.5",
+        "--top-p",
+        "0.95",
+        "--json",
+    ]
+    a = _run(capsys, *args, "--seed", "42")
+    b = _run(capsys, *args, "--seed", "42")
+    assert a["tokens"] == b["tokens"] and a["seed"] == 42
+
+
+def test_stop_token_ends_the_reply(idonly):
+    backend = ReferenceBackend(load_weights(idonly))
+    greedy = generate(backend, GenerateRequest(prompt_ids=(1, 2), max_tokens=4)).tokens
+    stopped = generate(backend, GenerateRequest(prompt_ids=(1, 2), max_tokens=4, stop_ids={greedy[1]}))
+    assert stopped.tokens == greedy[:2] and stopped.finish_reason == "stop"
+    assert generate(backend, GenerateRequest(prompt_ids=(1,), max_tokens=0, sampling=SamplingParams())).tokens == ()
+
+
+def test_text_prompt_needs_a_tokenizer(capsys, idonly):
+    assert main(["--model", str(idonly), "--prompt", "hi"]) == 2
+    assert "use --prompt-ids" in capsys.readouterr().err
+
+
+def test_tiny_model_is_deterministic_and_cached():
+    path = tiny_model_dir()
+    assert path == tiny_model_dir() and (path / "tokenizer.json").is_file() and (path / "chat_template.jinja").is_file()
+    assert load_weights(path).config == tiny_config()
+
+
+def test_chat_file_on_the_tiny_model(capsys, tmp_path):
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello!"}], "enable_thinking": False}))
+    out = _run(capsys, "--chat", str(chat), "--max-tokens", "3", "--json")
+    assert len(out["tokens"]) <= 3 and isinstance(out["text"], str) and out["prompt_tokens"] > 5
+
+
+def test_module_entry_point_prints_one_json_object():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "executor.generate",
+            "--prompt",
+            "Hi there",
+            "--max-tokens",
+            "2",
+            "--json",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["tokens"]) == 2 and isinstance(out["text"], str)

@@ -1,0 +1,183 @@
+"""Profiles and the cost model (sim/cost.py, bench/make_profiles.py)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policy.shape import QWEN35_27B, ModelShape
+from policy.usable import BackendFacts
+from sim.cost import (
+    DEFAULT_PROFILE,
+    AnalyticCost,
+    Profile,
+    list_profiles,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_SHAPE = ModelShape(linear_layers=1, attention_layers=1, linear_num_key_heads=1, linear_key_head_dim=1,
+                        linear_num_value_heads=1, linear_value_head_dim=1, linear_conv_kernel_dim=2,
+                        num_key_value_heads=1, head_dim=1)
+# row_bytes = 1 layer x K and V x 1 head x 1 dim x 2 bytes = 4; fixed = 1x1x1x4 + (2-1) x 3 channels x 2 = 10.
+TINY_COST = AnalyticCost(matrix_flops_per_s=1e12, matrix_efficiency=0.5, copy_bytes_per_s=1e9, weight_bytes=1_000_000,
+                         dense_flops_per_row=1000.0, logits_flops_per_row=500.0, attention_flops_per_pair=10.0,
+                         linear_flops_per_row=0.0, chunk_overhead_s=0.01, round_overhead_s=0.001)
+TINY = Profile(name="tiny", source="analytic", gpu="none", model="none", shape=TINY_SHAPE, invariant_rows=64,
+               cost=TINY_COST)
+
+
+def table_profile() -> dict:
+    d = profile_to_dict(TINY)
+    d.update(name="tab", source="measured", cost={
+        "form": "table", "copy_bytes_per_s": 2e9,
+        "prefill": {"rows": [64, 128], "context": [0, 1000], "seconds": [[1.0, 3.0], [2.0, 6.0]]},
+        "decode": {"lanes": [1, 9], "context": [100], "seconds": [[0.01], [0.05]]}})
+    return d
+
+
+def test_tiny_analytic_by_hand():
+    assert (TINY_SHAPE.row_bytes, TINY_SHAPE.fixed_bytes) == (4, 10)
+    # prefill(100, 50): F = 100 x 1000 + 10 x 100 x (50 + 50) = 2e5 -> 4e-7 s at 5e11 FLOP/s;
+    # B = 1e6 + 150 x 4 + 2 x 10 = 1_000_620 -> 1.00062e-3 s at 1e9 B/s: memory-bound.
+    assert TINY.prefill_s(100, 50) == pytest.approx(1.00062e-3 + 0.01)
+    # prefill(1e6, 0): F = 1e9 + 10 x 1e6 x 5e5 = 5.001e12 -> 10.002 s, compute-bound.
+    assert TINY.prefill_s(1_000_000, 0) == pytest.approx(10.002 + 0.01)
+    # decode 2 lanes at contexts 10 and 30: keys 42; B = 1e6 + 42 x 4 + 2 x 2 x 10 = 1_000_208.
+    assert TINY.decode_round_s(2, [10, 30]) == pytest.approx(1.000208e-3 + 0.001)
+    assert TINY.decode_round_s(0, []) == 0.0
+    assert TINY.keep_s(2_000_000) == pytest.approx(2e-3)
+    assert TINY.facts == BackendFacts(64)
+
+
+@pytest.mark.parametrize("call, args", [("prefill_s", (0, 0)), ("prefill_s", (5, -1)), ("decode_round_s", (2, [1])),
+                                        ("decode_round_s", (1, [-1])), ("keep_s", (-1,))],
+                         ids=["zero-rows", "neg-context", "lanes-mismatch", "neg-lane-context", "neg-bytes"])
+def test_bad_arguments(call, args):
+    with pytest.raises(ValueError):
+        getattr(TINY, call)(*args)
+
+
+def test_shipped_profiles():
+    assert list_profiles() == ("qwen3.5-27b-h200", "qwen3.5-2b-h200", "qwen3.5-9b-h200")
+    assert load_profile().name == DEFAULT_PROFILE == "qwen3.5-9b-h200"
+    for name in list_profiles():
+        p = load_profile(name)
+        assert p.source == "analytic" and p.invariant_rows is None and p.gpu == "NVIDIA H200"
+        assert profile_from_dict(profile_to_dict(p)) == p
+
+
+def test_27b_by_hand():
+    p = load_profile("qwen3.5-27b-h200")
+    assert p.shape == QWEN35_27B
+    # Per layer: attention 5120 x 12288 (q + gate) + 2 x 5120 x 1024 + 6144 x 5120 + 2 x 256 = 104,858,112;
+    # delta net 5120 x 10240 + 5120 x 6144 + 2 x 5120 x 48 + 10240 x 4 + 96 + 128 + 6144 x 5120 = 115,876,064;
+    # MLP + norms 3 x 5120 x 17408 + 2 x 5120 = 267,397,120. 16 + 48 layers + final norm = 24,353,201,664;
+    # LM head 5120 x 248320 = 1,271,398,400. bf16: 2 x 25,624,600,064 bytes.
+    assert p.cost.weight_bytes == 51_249_200_128
+    one_lane = (51_249_200_128 + 65_536 + 2 * 153_944_064) / 4.3e12 + 64 * 5e-6
+    assert p.decode_round_s(1, [0]) == pytest.approx(one_lane)
+    assert 1 / 90 < p.decode_round_s(1, [0]) < 1 / 75  # about 1/83 s: weights / 4.3 TB/s
+    assert p.keep_s(153_944_064) == pytest.approx(153_944_064 / 4.3e12)
+
+
+def test_9b_prefill_of_32k_rows():
+    p = load_profile("qwen3.5-9b-h200")
+    assert 0.5 < p.prefill_s(32768, 0) < 1.5
+    assert p.prefill_s(4096, 28672) > p.prefill_s(4096, 0)  # attention over the context
+
+
+def test_sizes_order():
+    small, mid, big = (load_profile(f"qwen3.5-{s}-h200") for s in ("2b", "9b", "27b"))
+    for rows, ctx in [(1, 0), (4096, 0), (4096, 100_000)]:
+        assert small.prefill_s(rows, ctx) < mid.prefill_s(rows, ctx) < big.prefill_s(rows, ctx)
+    assert small.decode_round_s(8, [1000] * 8) < mid.decode_round_s(8, [1000] * 8) < big.decode_round_s(8, [1000] * 8)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(["qwen3.5-2b-h200", "qwen3.5-9b-h200", "qwen3.5-27b-h200"]),
+       st.integers(1, 70_000), st.integers(0, 200_000), st.integers(1, 300))
+def test_costs_grow_with_work(name, rows, context, lanes):
+    p = load_profile(name)
+    assert 0 < p.prefill_s(rows, context) <= p.prefill_s(rows + 1, context) <= p.prefill_s(rows + 1, context + 1)
+    assert 0 < p.decode_round_s(lanes, [context] * lanes) <= p.decode_round_s(lanes + 1, [context] * (lanes + 1))
+
+
+def test_table_form_interpolates():
+    p = profile_from_dict(table_profile())
+    assert p.prefill_s(64, 0) == 1.0 and p.prefill_s(128, 1000) == 6.0
+    assert p.prefill_s(96, 500) == pytest.approx(3.0)  # bilinear: mean of the four corners
+    assert p.prefill_s(1, 0) == 1.0  # below the grid: held at the edge
+    assert p.prefill_s(256, 0) == pytest.approx(4.0)  # above: the last segment extended
+    assert p.decode_round_s(5, [0, 200, 100, 100, 100]) == pytest.approx(0.03)  # mean context 100
+    assert p.keep_s(4e9) == pytest.approx(2.0)
+    assert profile_from_dict(profile_to_dict(p)) == p
+
+
+def mutate(d: dict, path: str, value: object) -> dict:
+    d = copy.deepcopy(d)
+    *keys, last = path.split(".")
+    target = d
+    for k in keys:
+        target = target[k]
+    if value is KeyError:
+        del target[last]
+    else:
+        target[last] = value
+    return d
+
+
+@pytest.mark.parametrize("base, path, value, match", [
+    ("analytic", "cost.matrix_efficiency", 2.0, r"^cost.matrix_efficiency: must be a number in \(0"),
+    ("analytic", "cost.weight_bytes", KeyError, r"^cost.weight_bytes: missing"),
+    ("analytic", "cost.weight_bytes", 1.5, r"^cost.weight_bytes: must be an integer"),
+    ("analytic", "cost.form", "guess", r"^cost.form"),
+    ("analytic", "cost.colour", 1, r"^cost.colour: unknown key"),
+    ("analytic", "source", "dreamt", r"^source"),
+    ("analytic", "invariant_rows", 0, r"^invariant_rows"),
+    ("analytic", "shape.head_dim", 0, r"^shape.head_dim"),
+    ("analytic", "shape.head_dim", KeyError, r"^shape.head_dim: missing"),
+    ("analytic", "gpu", 3, r"^gpu"),
+    ("table", "cost.prefill.rows", [128, 64], r"^cost.prefill.rows: must be a non-empty, strictly ascending"),
+    ("table", "cost.prefill.seconds", [[1.0, 3.0], [2.0]], r"^cost.prefill.seconds\[1\]"),
+    ("table", "cost.decode.seconds", [[0.1]], r"^cost.decode.seconds: must be a list of 2 rows"),
+    ("table", "cost.decode.lanes", KeyError, r"^cost.decode.lanes: missing"),
+], ids=["efficiency", "missing", "float-bytes", "form", "unknown", "source", "grid", "shape", "shape-missing", "gpu",
+        "axis-order", "row-length", "row-count", "axis-missing"])
+def test_profile_errors_name_the_field(base, path, value, match):
+    d = profile_to_dict(TINY) if base == "analytic" else table_profile()
+    with pytest.raises(ValueError, match=match):
+        profile_from_dict(mutate(d, path, value))
+
+
+def test_load_profile_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a shipped profile"):
+        load_profile("qwen9-typo")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="bad.json: not JSON"):
+        load_profile(bad)
+    bad.write_text(json.dumps(mutate(profile_to_dict(TINY), "cost.copy_bytes_per_s", 0)))
+    with pytest.raises(ValueError, match=r"bad.json: cost.copy_bytes_per_s"):
+        load_profile(str(bad))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(profile_to_dict(TINY)))
+    assert load_profile(good) == TINY
+
+
+def test_shipped_files_are_what_make_profiles_writes(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_profiles", ROOT / "bench" / "make_profiles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(tmp_path)
+    for name in list_profiles():
+        assert json.loads((tmp_path / f"{name}.json").read_text()) == json.loads(
+            (ROOT / "sim" / "profiles" / f"{name}.json").read_text())
