@@ -14,8 +14,8 @@ import json
 import time
 
 import numpy as np
-from numba import cuda
 
+from executor.numba_cuda.device import device_name, median_seconds, to_device
 from executor.numba_cuda.gemm import REFERENCE_ROWS, Gemm
 from executor.numba_cuda.gemv import gemv
 from executor.presets import preset
@@ -40,22 +40,7 @@ def shapes(name: str) -> dict[str, tuple[int, int]]:
 
 def _random_bf16(shape, seed):
     rng = np.random.default_rng(seed)
-    return cuda.to_device((rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16))
-
-
-def _time(fn, repeat=20):
-    fn()
-    cuda.synchronize()
-    start = cuda.event()
-    stop = cuda.event()
-    times = []
-    for _ in range(repeat):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cuda.event_elapsed_time(start, stop) / 1e3)
-    return float(np.median(times))
+    return to_device((rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16))
 
 
 def check_shape(gemm: Gemm, n: int, k: int, seed: int) -> dict:
@@ -67,12 +52,12 @@ def check_shape(gemm: Gemm, n: int, k: int, seed: int) -> dict:
     ref = gemm.matmul(x, w).copy_to_host()
     differ = [m for m in SWEEP_ROWS if not np.array_equal(gemm.matmul(x[REFERENCE_ROWS - m :], w).copy_to_host(), ref[REFERENCE_ROWS - m :])]
     big = _random_bf16((4096, k), seed + 2)
-    gemm_s = _time(lambda: gemm.matmul(big, w))
+    gemm_s = median_seconds(lambda: gemm.matmul(big, w))
     result = {"n": n, "k": k, "pin_s": round(pin_s, 3), "rows_differ_at_m": differ, **gemm.pinned[(n, k)],
               "gemm_m4096_tflops": round(2 * 4096 * n * k / gemm_s / 1e12, 1)}
     for rows in (1, 4, 16):
         xs = _random_bf16((rows, k), seed + 3)
-        s = _time(lambda: gemv(xs, w))
+        s = median_seconds(lambda: gemv(xs, w))
         result[f"gemv_{rows}_gbps"] = round(n * k * 2 / s / 1e9, 1)
     return result
 
@@ -93,7 +78,7 @@ def main() -> None:
             print(key, json.dumps(results[key]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": cuda.get_current_device().name.decode() if isinstance(cuda.get_current_device().name, bytes) else str(cuda.get_current_device().name), "results": results}, f, indent=1)
+            json.dump({"device": device_name(), "results": results}, f, indent=1)
     print(f"{'shape':34} {'N':>6} {'K':>6} {'invariant':>9} {'TFLOP/s':>8} {'gemv1':>7} {'gemv16':>7}")
     for key, r in results.items():
         print(f"{key:34} {r['n']:6} {r['k']:6} {str(not r['rows_differ_at_m']):>9} {r['gemm_m4096_tflops']:8} "

@@ -35,11 +35,20 @@ class Backend(Protocol):
         """An empty state at row 0."""
 
     def prefill(
-        self, state: Any, token_ids: Sequence[int], rows: tuple[int, int], want_logits: bool = True
+        self,
+        state: Any,
+        token_ids: Sequence[int],
+        rows: tuple[int, int],
+        want_logits: bool = True,
+        tail_from: int | None = None,
     ) -> np.ndarray | None:
         """Compute rows [a, b) of the prompt `token_ids` (the whole prompt, len >= b) into
         `state`, which must hold rows [0, a); afterwards it holds [0, b).
 
+        tail_from (DESIGN rule 8, `policy.tail.tail_from`): None runs the whole last layer
+        over every row; t in [a, b) runs its q/attention/gate/o_proj/MLP over rows [t, b)
+        only (K/V over all); t == b skips them and the LM head (want_logits must be False).
+        A backend may ignore it: the tail changes no bit of the logits it returns.
         Returns the float32 logits [vocab] of row b - 1 when want_logits, else None.
         Raises ValueError naming the argument when rows or the state disagree.
         """
@@ -59,6 +68,9 @@ class Backend(Protocol):
 
     def state_bytes(self, state: Any) -> int:
         """Bytes of a live state in the serving format: config.state_bytes(rows)."""
+
+    def release(self, state: Any) -> None:
+        """The state is no longer needed (a GPU backend returns its memory to the pool)."""
 
 
 def rows_of(state: Any) -> int:

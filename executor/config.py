@@ -21,6 +21,8 @@ from executor.errors import CheckpointError
 LINEAR = "linear_attention"
 FULL = "full_attention"
 KV_CACHE_DTYPE_BYTES = 2
+CONV_TAIL_DTYPE_BYTES = 2
+"""Conv tails are kept in bf16 in the serving format, like K/V."""
 """K/V rows are kept in bf16 (2 bytes per value) by the serving backends."""
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -184,6 +186,7 @@ class Qwen35Config:
 
     @property
     def weight_dtype_bytes(self) -> int:
+        """Bytes of one weight element in the checkpoint's dtype."""
         return DTYPE_BYTES[self.dtype]
 
     @property
@@ -193,8 +196,9 @@ class Qwen35Config:
 
     @property
     def conv_tail_bytes_per_layer(self) -> int:
-        """Conv tail [kernel - 1, conv_channels] of one linear layer, in the weight dtype."""
-        return (self.linear_conv_kernel_dim - 1) * self.conv_channels * self.weight_dtype_bytes
+        """Conv tail [kernel - 1, conv_channels] of one linear layer in the serving format
+        (bf16, 2 bytes, whatever the checkpoint's dtype; policy.shape.ModelShape.conv_bytes)."""
+        return (self.linear_conv_kernel_dim - 1) * self.conv_channels * CONV_TAIL_DTYPE_BYTES
 
     @property
     def kv_bytes_per_row(self) -> int:

@@ -54,6 +54,7 @@ class Entry:
     value_s: float
     last_used_s: float
     children: int = 0
+    kids: set = attrs.field(factory=set, repr=False)
     pins: int = 0
     live: bool = True
     payload: Any = None
@@ -239,7 +240,7 @@ class Store:
             self._next_id += 1
             if parent is not None:
                 parent.children += 1
-                self._rank(parent)
+                parent.kids.add(entry)
             bucket = self._by_row.setdefault(row, {})
             if not bucket:
                 bisect.insort(self._rows, row)
@@ -247,6 +248,8 @@ class Store:
             self._by_id[entry.id] = entry
             self.bytes_used += need
             self._live += 1
+            if parent is not None:
+                self._refresh(parent)
         self._rank(entry)
         self.bytes_peak = max(self.bytes_peak, self.bytes_used)
         return KeepResult(entry, tuple(evicted), "kept")
@@ -267,11 +270,25 @@ class Store:
             parent = node.parent
             if parent is not None:
                 parent.children -= 1
-                self._rank(parent)
+                parent.kids.discard(node)
             node = parent
+        if node is not None:
+            self._refresh(node)
         if entry.children > 0:
             out.insert(0, Eviction(entry, EvictKind.GHOST))
         return tuple(out)
+
+    def _refresh(self, node: Entry) -> None:
+        """Re-rank `node` and every live entry whose freed bytes run through it: the
+        entries below it reached through ghosts (a leaf's eviction also frees the ghosts
+        above it that have no other child)."""
+        self._rank(node)
+        stack = list(node.kids)
+        while stack:
+            kid = stack.pop()
+            self._rank(kid)
+            if not kid.live:
+                stack.extend(kid.kids)
 
     def score(self, entry: Entry, now_s: float) -> float:
         """Value per byte freed, decayed by idle time: value_s * 0.5**(idle/half_life) / bytes.

@@ -194,7 +194,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert fits_now or fits_at_all, "kept a state that cannot fit"
         # Evictions: live, unpinned, lowest value per byte first, and no more than needed.
         victims = [(e.entry.row, e.entry.digest, e.entry.fingerprint) for e in result.evicted]
-        primary = [k for k in victims if k in live_before]
+        primary = list(dict.fromkeys(k for k in victims if k in live_before))  # a ghost may be freed later
         assert not (set(victims) - set(self.model)), "evicted an unknown state"
         live = set(live_before)
         for n, k in enumerate(primary):

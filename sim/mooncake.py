@@ -16,8 +16,8 @@ from sim.workload import Conversation, Turn, Workload
 
 BLOCK_ROWS = 512
 """Rows (tokens) per Mooncake hash block."""
-DEFAULT_TRACE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
-"""Where the shipped trace lives on the development machines."""
+DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+"""The trace beside a checkout: <checkout>/../shared/traces/mooncake/conversation_trace.jsonl."""
 
 
 def _field(record: Any, key: str, lineno: int, path: Path) -> Any:

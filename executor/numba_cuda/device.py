@@ -119,3 +119,29 @@ else:
             return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
         r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
         return np.uint16(r)
+
+
+def synchronize() -> None:
+    """Wait for all work on the current device."""
+    cuda.synchronize()
+
+
+def median_seconds(fn, repeat: int = 20) -> float:
+    """Median device time of `fn()` over `repeat` calls (CUDA events), after one warm-up."""
+    fn()
+    cuda.synchronize()
+    start, stop = cuda.event(), cuda.event()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cuda.event_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def device_name() -> str:
+    """Name of the current CUDA device."""
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)

@@ -180,10 +180,20 @@ class ReferenceBackend:
         return state.logits.copy()
 
     def prefill(
-        self, state: ReferenceState, token_ids: Sequence[int], rows: tuple[int, int], want_logits: bool = True
+        self,
+        state: ReferenceState,
+        token_ids: Sequence[int],
+        rows: tuple[int, int],
+        want_logits: bool = True,
+        tail_from: int | None = None,
     ) -> np.ndarray | None:
-        """See `Backend.prefill`. Gated delta sub-chunks are anchored at absolute rows."""
+        """See `Backend.prefill`. Gated delta sub-chunks are anchored at absolute rows.
+
+        The oracle always runs the whole last layer (tail_from is checked, then ignored).
+        """
         start, end = rows
+        if tail_from is not None and not start <= tail_from <= end:
+            raise ValueError(f"tail_from {tail_from} outside the chunk [{start}, {end}]")
         if start != state.rows:
             raise ValueError(f"rows starts at {start} but the state holds {state.rows} rows")
         if not 0 <= start < end <= len(token_ids):
@@ -230,9 +240,13 @@ class ReferenceBackend:
         )
 
     def payload_bytes(self, payload: ReferencePayload) -> int:
-        """Serving-format bytes (config.state_bytes): fp32 recurrent, conv tails in the
-        weight dtype, bf16 K/V rows. The reference itself holds float32 copies."""
+        """Serving-format bytes (config.state_bytes): fp32 recurrent, bf16 conv tails and
+        K/V rows. The reference itself holds float32 copies."""
         return self.config.state_bytes(payload.rows)
 
     def state_bytes(self, state: ReferenceState) -> int:
+        """Serving-format bytes of a live state (config.state_bytes)."""
         return self.config.state_bytes(state.rows)
+
+    def release(self, state: ReferenceState) -> None:
+        """Nothing to return: NumPy memory goes with the last reference."""

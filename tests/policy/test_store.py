@@ -272,8 +272,6 @@ def test_keep_row_outside_prompt_is_an_error():
         keep(store, LONG, 9001)
 
 
-@pytest.mark.xfail(strict=True, reason="store.py heap: a leaf's rank is not refreshed when a ghost "
-                   "it extends loses its other child, so it keeps a stale (too high) rank")
 def test_eviction_order_after_a_ghost_loses_a_child():
     # G at 40 is extended by A (60) and B (70); evicting G leaves a ghost, evicting B then
     # makes A the only state holding G's 40 rows: evicting A now frees fixed + 60 rows, not

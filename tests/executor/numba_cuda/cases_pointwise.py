@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from executor.numba_cuda import attention_prep, elementwise, gemv, norms
-from executor.numba_cuda.device import poisoned, to_device
+from executor.numba_cuda.device import empty, poisoned, to_device
 from executor.reference import ops
 from tests.executor.numba_cuda.kernel_support import as_f32, bf16, host, rng
 from tests.helpers import assert_close
@@ -102,8 +102,6 @@ def test_kv_norm_rope_store_writes_its_rows_only():
     slot = np.full(rows, 1, np.int32)
     freqs = attention_prep.inv_freq(1e4, rotary)
     with poisoned():
-        from executor.numba_cuda.device import empty
-
         kcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
         vcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
         attention_prep.kv_norm_rope_store(

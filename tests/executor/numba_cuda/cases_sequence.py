@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from executor.numba_cuda import conv, delta_rule
-from executor.numba_cuda.device import empty, poisoned, to_device
+from executor.numba_cuda.device import poisoned, to_device
 from executor.reference import ops
 from tests.executor.numba_cuda.kernel_support import as_f32, bf16, host, rng
 from tests.helpers import assert_close

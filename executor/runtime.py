@@ -1,0 +1,349 @@
+"""The executor's serving loop: `policy.scheduler.Scheduler` driven by wall time and a backend.
+
+The scheduler decides (admissions, chunks, decode rounds, keeps, evictions, warm passes);
+`Runtime` runs each `Step` on the backend in one worker thread (`executor.stepper`),
+owns the kept states' payloads (`executor.payloads`), gives the scheduler each reply's
+continuation for the next warm pass, writes the trace and hands text to each request's
+`Handle`. Call it only from the asyncio loop thread: the scheduler is not thread-safe,
+and only backend work and sampling run in the worker. HTTP lives in `executor/server.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
+
+import attrs
+import structlog
+from tokenizers import Tokenizer
+
+from executor import payloads
+from executor.backend import Backend
+from executor.conversations import Continuation, Conversations
+from executor.metrics import Metrics
+from executor.sampling import new_rng
+from executor.stepper import Job, Live, Outcome, Plan, Stepper
+from executor.stops import TextStream
+from policy import events as ev
+from policy.config import PolicyConfig
+from policy.keep import PassKind
+from policy.prefix import Prompt
+from policy.scheduler import Scheduler
+from policy.usable import BackendFacts
+from policy.work import Evicted, Finished, Kept, Released, Request, Step
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.frozen
+class Tokens:
+    """Handle event: newly generated token ids and the text they released."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class Done:
+    """Handle event: the request ended. reason: "stop", "length", "cancelled" or "error".
+
+    cached_tokens: the resume row (DESIGN: prompt rows not computed). token_ids / text:
+    everything generated (the text without any stop string). error: what failed, or None.
+    """
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    token_ids: tuple[int, ...]
+    text: str
+    error: str | None = None
+
+
+class Rejected(Exception):
+    """The scheduler refused the request (e.g. "queue_full"), or the runtime is closing."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@attrs.define(eq=False)
+class Handle:
+    """A submitted request: its id, conversation, and the queue of `Tokens` / `Done` events."""
+
+    id: str
+    conversation: str
+    prompt_tokens: int
+    queue: asyncio.Queue = attrs.field(factory=asyncio.Queue)
+    done: bool = False
+
+    async def events(self) -> AsyncIterator[Tokens | Done]:
+        """Events in order, ending with one `Done`."""
+        while True:
+            item = await self.queue.get()
+            yield item
+            if isinstance(item, Done):
+                return
+
+
+class Runtime:
+    """Serves `Job`s on `backend` under `cfg` (see the module docstring).
+
+    tokenizer: decodes replies. facts: the backend's proven numerics (default: its
+    `invariant_rows`). trace: an open text file for the JSONL trace (one
+    `policy.events.event_dict` per line, as the simulator writes), or None. clock: seconds,
+    monotonic; trace times are seconds since the runtime was built.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        cfg: PolicyConfig,
+        *,
+        facts: BackendFacts | None = None,
+        metrics: Metrics | None = None,
+        trace: IO[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
+        self.metrics = metrics or Metrics()
+        self.facts = facts or BackendFacts(getattr(backend, "invariant_rows", None))
+        self._trace, self._clock = trace, clock
+        self._origin = clock()
+        self._stepper = Stepper(backend)
+        self.scheduler = Scheduler(cfg, self.facts, payloads.model_shape(backend.config), emit=self._emit,
+                                   value_s=lambda rows: rows * self._stepper.rows_s)
+        self.conversations = Conversations()
+        self._lives: dict[str, Live] = {}
+        self._by_stream: dict[int, Live] = {}
+        self._states: dict[int, Any] = {}
+        self._releases: list[Any] = []
+        self._rejected: dict[str, str] = {}
+        self._next_id = 0
+        self._wake = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmstate-backend")
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.broken: str | None = None
+
+    # --- public, loop thread only -------------------------------------------------------
+    def now(self) -> float:
+        """Seconds since the runtime was built (the scheduler's and the trace's clock)."""
+        return self._clock() - self._origin
+
+    async def start(self) -> None:
+        """Start the driver task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(self._drive(), name="warmstate-runtime")
+
+    async def close(self) -> None:
+        """Cancel every request, let the step in flight finish, stop the worker."""
+        self._closing = True
+        for rid in list(self._lives):
+            self._apply(self.scheduler.cancel(rid, self.now()))
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        for rid in list(self._lives):
+            self._deliver_done(self._lives[rid], "cancelled", 0, "server shutting down")
+        for state in [*self._states.values(), *self._releases]:
+            payloads.release(self.backend, state)
+        self._states.clear()
+        self._releases.clear()
+        self._pool.shutdown(wait=True)
+
+    def submit(self, job: Job) -> Handle:
+        """Queue `job`; returns its Handle. Raises Rejected with the scheduler's reason."""
+        if self._closing or self.broken:
+            raise Rejected("shutting_down" if self._closing else "runtime_failed")
+        prompt = Prompt.from_tokens(job.prompt_ids)
+        conversation = self.conversations.match(prompt, job.starts) or self.conversations.new()
+        self._next_id += 1
+        rid = f"req-{self._next_id}"
+        handle = Handle(rid, conversation, len(job.prompt_ids))
+        live = Live(handle, job, new_rng(job.seed), TextStream(self.tokenizer, job.stop))
+        self._lives[rid] = live
+        request = Request(id=rid, conversation=conversation, prompt=prompt, starts=job.starts,
+                          max_tokens=job.max_tokens)
+        self.scheduler.arrive(request, self.now())
+        reason = self._rejected.pop(rid, None)
+        if reason is not None:
+            del self._lives[rid]
+            raise Rejected(reason)
+        self._wake.set()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """The client went away: free its lane within one chunk (kept states stay)."""
+        if handle.id in self._lives:
+            self._apply(self.scheduler.cancel(handle.id, self.now()))
+            self._wake.set()
+
+    @property
+    def lanes_busy(self) -> int:
+        """Admitted foreground requests."""
+        return len(self._by_stream)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted but not yet admitted."""
+        return len(self._lives) - len(self._by_stream)
+
+    # --- trace events ----------------------------------------------------------------------
+    def _emit(self, e: ev.Event) -> None:
+        if self._trace is not None:
+            self._trace.write(json.dumps(ev.event_dict(e), separators=(",", ":")) + "\n")
+        self.metrics.event(e)
+        self.conversations.event(e)
+        if isinstance(e, ev.RequestAdmitted):
+            live = self._lives[e.request]
+            live.stream = e.stream
+            self._by_stream[e.stream] = live
+        elif isinstance(e, ev.RequestRejected):
+            self._rejected[e.request] = e.reason
+        elif isinstance(e, ev.WarmScheduled):
+            live = self._lives.get(e.after)
+            assert live is not None and live.next_prompt is not None, "a warm pass without its continuation"
+            self.conversations.warm_scheduled(e.conversation, live.next_prompt)
+
+    # --- the driver ------------------------------------------------------------------------
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            self._wake.clear()
+            try:
+                step = self.scheduler.next_step(self.now())
+                self._apply(self.scheduler.take_effects())
+                self._gauges()
+                if step is None:
+                    await self._idle()
+                    continue
+                plan = self._plan(step)
+                outcome = await loop.run_in_executor(self._pool, self._stepper.run, plan)
+                self._commit(plan, outcome)
+            except Exception as exc:  # a bug here must not leave clients hanging
+                log.exception("runtime_failed")
+                self.broken = repr(exc)
+                for live in list(self._lives.values()):
+                    self._deliver_done(live, "error", 0, f"internal error: {exc!r}")
+                return
+
+    async def _idle(self) -> None:
+        timer = self.scheduler.next_timer_s()
+        timeout = None if timer is None else max(0.001, timer - self.now())
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _gauges(self) -> None:
+        store = self.scheduler.store
+        self.metrics.store_bytes.set(store.bytes_used)
+        self.metrics.store_entries.set(len(store))
+        self.metrics.lanes_busy.set(self.lanes_busy)
+        self.metrics.queue_waiting.set(self.waiting)
+
+    def _plan(self, step: Step) -> Plan:
+        run = step.prefill
+        ids = state = live = None
+        if run is not None:
+            if run.kind is PassKind.COLD:
+                live = self._lives[run.request]
+                ids = live.job.prompt_ids
+            else:
+                ids = self.conversations.warm_ids(run.conversation)
+            state = self._states.get(run.stream)
+        restores = tuple((s, entry, self._by_stream[s]) for s, entry in step.restores)
+        decodes = tuple((s, self._by_stream[s], self._states[s]) for s in step.decode)
+        releases, self._releases = tuple(self._releases), []
+        return Plan(step, ids, state, live, restores, decodes, releases)
+
+    def _commit(self, plan: Plan, out: Outcome) -> None:
+        step = plan.step
+        self._states.update(out.states)
+        failed: list[Live] = []
+        if out.error is not None:
+            log.error("step_failed", error=repr(out.error), step=repr(step))
+            failed = [*(lv for _, _, lv in plan.restores), *(lv for _, lv, _ in plan.decodes)]
+            if plan.prefill_live is not None:
+                failed.append(plan.prefill_live)
+            for live in failed:
+                self._apply(self.scheduler.cancel(live.handle.id, self.now()))
+        for live in out.ended:
+            self._attach_continuation(live)
+        effects = self.scheduler.commit(step, self.now(), frozenset(out.stopped))
+        for live, token, text in out.tokens:
+            live.handle.queue.put_nowait(Tokens((token,), text))
+        for live in failed:
+            self._deliver_done(live, "error", 0, f"backend error: {out.error!r}")
+        self._apply(effects, out.snapshot)
+
+    def _attach_continuation(self, live: Live) -> None:
+        """Give the scheduler the reply's continuation before it finishes the request.
+
+        The scheduler reads `Request.continuation` when the request finishes, but the
+        executor learns it only when the reply ends. policy.Scheduler has no public call
+        for this yet (see the report of issue 6): replace the admitted lane's Request.
+        """
+        rendered = live.continuation
+        if rendered is None or live.stream is None or not rendered.token_ids:
+            return
+        cont = Continuation.of(rendered.token_ids, rendered.starts)
+        live.next_prompt = cont
+        self.conversations.expect(live.handle.conversation, cont)
+        setter = getattr(self.scheduler, "set_continuation", None)
+        if setter is not None:
+            setter(live.handle.id, cont.prompt, cont.starts)
+            return
+        lane = self.scheduler._lanes.get(live.stream)
+        if lane is not None and lane.request.id == live.handle.id:
+            lane.request = attrs.evolve(lane.request, continuation=cont.prompt, continuation_starts=cont.starts)
+
+    def _apply(self, effects: list[object], snapshot: payloads.Payload | None = None) -> None:
+        for e in effects:
+            if isinstance(e, Kept):
+                if snapshot is None:
+                    log.error("keep_without_snapshot", entry=e.entry.id, row=e.entry.row)
+                    if e.entry.live and e.entry.pins == 0:
+                        self.scheduler.store.evict(e.entry)
+                    continue
+                assert snapshot.rows == e.entry.row, "snapshot row differs from the kept row"
+                e.entry.payload = snapshot
+            elif isinstance(e, Evicted):
+                e.entry.payload = None
+            elif isinstance(e, Released):
+                state = self._states.pop(e.stream, None)
+                if state is not None:
+                    self._releases.append(state)
+            elif isinstance(e, Finished):
+                live = self._lives.get(e.request)
+                if live is not None:
+                    why = "server shutting down" if self._closing and e.reason == "cancelled" else None
+                    self._deliver_done(live, e.reason, e.cached_tokens, why)
+
+    def _deliver_done(self, live: Live, reason: str, cached_tokens: int, error: str | None = None) -> None:
+        self._lives.pop(live.handle.id, None)
+        if live.stream is not None and self._by_stream.get(live.stream) is live:
+            del self._by_stream[live.stream]
+        if live.handle.done:
+            return
+        if reason in ("stop", "length") and live.flushed is None:
+            tail = live.text.finish()
+            live.flushed = tail
+            if tail:
+                live.handle.queue.put_nowait(Tokens((), tail))
+        if reason == "length" and live.stop_seen:
+            reason = "stop"
+        if error is not None:
+            reason = "error" if reason != "cancelled" else reason
+        self.metrics.requests.labels(reason if reason in ("stop", "length", "cancelled") else "error").inc()
+        live.handle.done = True
+        live.handle.queue.put_nowait(Done(
+            reason=reason, prompt_tokens=len(live.job.prompt_ids), completion_tokens=len(live.tokens),
+            cached_tokens=cached_tokens, token_ids=tuple(live.tokens), text=live.text.text, error=error,
+        ))

@@ -1,0 +1,223 @@
+"""`python -m executor.serve`: the OpenAI-compatible server on one backend.
+
+    python -m executor.serve [--model DIR] [--backend auto|cuda|reference] [--host H]
+        [--port P] [--prompt-cache-gib G] [--request-starts | --no-request-starts]
+        [--warm-quiet-ms MS] [--lanes N] [--context ROWS] [--trace FILE] [--policy FILE.toml]
+
+With no --model it serves the built-in tiny random Qwen3.5 (real tokenizer). Policy
+defaults come from `PolicyConfig` (a --policy file, then these flags, override them).
+Prints the URL and a `ready URL` line on stdout (`--port 0` picks a free port); logs go
+to stderr through structlog (JSON unless stderr is a terminal); SIGINT/SIGTERM stop it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import structlog
+from aiohttp import web
+
+from executor.backend import Backend
+from executor.chat import ChatRenderer, load_template
+from executor.config import load_config
+from executor.model import tiny_model_dir
+from executor.reference.backend import ReferenceBackend
+from executor.runtime import Runtime
+from executor.server import Api, ApiConfig, build_app
+from executor.tokenizer import default_tokenizer, load_tokenizer
+from policy.config import GIB, PolicyConfig, format_policy, parse_policy, policy_to_dict
+
+log = structlog.get_logger(__name__)
+
+BACKENDS = ("auto", "cuda", "reference")
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+@attrs.frozen(kw_only=True)
+class ServeConfig:
+    """Server settings besides the policy (defaults live here).
+
+    model: checkpoint directory, or None for the built-in tiny model. backend: auto (GPU
+    when numba-cuda and a GPU are usable, else reference), cuda or reference. host/port:
+    where to listen (port 0: any free port). context_rows: most rows a request may use
+    (None: the model's max_position_embeddings). trace: JSONL trace file, or None.
+    """
+
+    model: Path | None = None
+    backend: str = attrs.field(default="auto", validator=attrs.validators.in_(BACKENDS))
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=attrs.validators.and_(attrs.validators.ge(0),
+                                                                           attrs.validators.le(65535)))
+    context_rows: int | None = None
+    trace: Path | None = None
+    policy: PolicyConfig = attrs.field(factory=PolicyConfig)
+
+    def __attrs_post_init__(self) -> None:
+        if self.context_rows is not None and self.context_rows <= 0:
+            raise ValueError(f"context_rows must be a positive integer, got {self.context_rows}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    d, p = ServeConfig(), PolicyConfig()
+    ap = argparse.ArgumentParser(prog="python -m executor.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny model)")
+    ap.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"(default: {d.backend})")
+    ap.add_argument("--host", default=d.host, help=f"(default: {d.host})")
+    ap.add_argument("--port", type=int, default=d.port, help=f"0 picks a free port (default: {d.port})")
+    ap.add_argument("--prompt-cache-gib", type=float, metavar="G",
+                    help=f"prompt-cache budget, GiB; 0 turns the cache and warm passes off "
+                         f"(default: {p.prompt_cache_bytes / GIB:g})")
+    ap.add_argument("--request-starts", action=argparse.BooleanOptionalAction, default=None,
+                    help=f"cut and keep at chat-message starts (default: {p.request_starts})")
+    ap.add_argument("--warm-quiet-ms", type=float, metavar="MS",
+                    help=f"quiet before a warm pass starts (default: {p.warm_quiet_ms:g})")
+    ap.add_argument("--lanes", type=int, metavar="N", help=f"streams active at once (default: {p.lanes})")
+    ap.add_argument("--context", type=int, metavar="ROWS",
+                    help="most rows (prompt + output) per request (default: the model's max_position_embeddings)")
+    ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL")
+    ap.add_argument("--policy", type=Path, metavar="FILE.toml", help="PolicyConfig fields (flags override them)")
+    return ap.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Resolve the policy file and flags into a ServeConfig; ValueError naming the field."""
+    policy = parse_policy(args.policy.read_text(encoding="utf-8")) if args.policy else PolicyConfig()
+    changes: dict[str, Any] = {}
+    if args.prompt_cache_gib is not None:
+        if not args.prompt_cache_gib >= 0:
+            raise ValueError(f"--prompt-cache-gib must be >= 0, got {args.prompt_cache_gib}")
+        changes["prompt_cache_bytes"] = round(args.prompt_cache_gib * GIB)
+    for flag, name in (("request_starts", "request_starts"), ("warm_quiet_ms", "warm_quiet_ms"), ("lanes", "lanes")):
+        if getattr(args, flag) is not None:
+            changes[name] = getattr(args, flag)
+    if changes:
+        policy = policy.with_changes(**changes)
+    return ServeConfig(model=args.model, backend=args.backend, host=args.host, port=args.port,
+                       context_rows=args.context, trace=args.trace, policy=policy)
+
+
+def load_backend(kind: str, model_dir: Path, *, lanes: int, context_rows: int) -> tuple[Backend, str]:
+    """The backend for `kind` and its name; `auto` falls back to reference without a usable GPU.
+
+    Raises RuntimeError when `cuda` is asked for and cannot be loaded.
+    """
+    if kind in ("auto", "cuda"):
+        try:
+            from executor.numba_cuda.backend import NumbaCudaBackend
+            from executor.numba_cuda.device import IS_SIMULATOR, is_gpu_available
+
+            if IS_SIMULATOR or not is_gpu_available():
+                raise RuntimeError("no usable GPU")
+            return NumbaCudaBackend.from_dir(model_dir, slots=lanes + 2, capacity_rows=context_rows), "cuda"
+        except Exception as exc:  # ImportError, no GPU, a checkpoint the GPU backend cannot serve
+            if kind == "cuda":
+                raise RuntimeError(f"--backend cuda: {exc}") from exc
+            log.info("gpu_backend_unavailable", reason=repr(exc))
+    return ReferenceBackend.from_dir(model_dir), "reference"
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, check=False, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _write_meta(cfg: ServeConfig, model_dir: Path, backend: str, context_rows: int) -> None:
+    """Beside the trace: the command, commit and resolved config (as the simulator does)."""
+    assert cfg.trace is not None
+    meta = {"command": sys.argv, "commit": _git_commit(), "model": str(model_dir), "backend": backend,
+            "context_rows": context_rows, "policy": policy_to_dict(cfg.policy)}
+    cfg.trace.with_name(cfg.trace.name + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def configure_logging(stream: IO[str]) -> None:
+    """structlog to `stream`: JSON lines unless it is a terminal."""
+    renderer: Any = structlog.dev.ConsoleRenderer() if stream.isatty() else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
+                    structlog.processors.format_exc_info, renderer],
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        cache_logger_on_first_use=False,
+    )
+
+
+async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
+    """Load the model, serve until SIGINT/SIGTERM, stop cleanly."""
+    model_dir = cfg.model or tiny_model_dir()
+    config = load_config(model_dir)
+    context_rows = cfg.context_rows or config.max_position_embeddings
+    tokenizer, (backend, backend_name) = await asyncio.gather(
+        asyncio.to_thread(lambda: load_tokenizer(model_dir) or default_tokenizer()),
+        asyncio.to_thread(load_backend, cfg.backend, model_dir, lanes=cfg.policy.lanes, context_rows=context_rows),
+    )
+    renderer = ChatRenderer(tokenizer, load_template(model_dir))
+    stop_ids = set(config.eos_token_ids) | {t for name in STOP_TOKENS if (t := tokenizer.token_to_id(name)) is not None}
+    trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
+    if cfg.trace:
+        _write_meta(cfg, model_dir, backend_name, context_rows)
+    runtime = Runtime(backend, tokenizer, cfg.policy, trace=trace)
+    api = Api(runtime, renderer, ApiConfig(model_id=model_dir.name, context_rows=context_rows,
+                                           stop_ids=frozenset(stop_ids)))
+    runner = web.AppRunner(build_app(api), handler_cancellation=True, access_log=None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    site = None
+    try:
+        await runtime.start()
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        url = f"http://{cfg.host}:{port}"
+        print(f"serving {model_dir.name} on the {backend_name} backend at {url}/v1", file=out, flush=True)
+        print(f"ready {url}", file=out, flush=True)
+        log.info("ready", url=url, model=str(model_dir), backend=backend_name, context_rows=context_rows,
+                 policy=format_policy(cfg.policy).strip().replace("\n", "; "))
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        if site is not None:
+            await site.stop()
+        await runtime.close()
+        await runner.cleanup()
+        if trace is not None:
+            trace.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(sys.stderr)
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as exc:  # e.g. the port is taken
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

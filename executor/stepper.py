@@ -1,0 +1,204 @@
+"""One scheduler `Step` run on the backend: the worker-thread half of `executor.runtime`.
+
+`Stepper.run(plan)` restores kept states, runs the prefill chunk and the decode round,
+snapshots the state a keep asks for, samples each lane's token and finds stop tokens and
+stop strings; it returns an `Outcome` and touches nothing the scheduler owns. The loop
+thread gathers the `Plan` and commits the `Outcome` (`executor/runtime.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import structlog
+
+from executor import payloads
+from executor.backend import Backend
+from executor.chat import Rendered
+from executor.config import FULL
+from executor.sampling import SamplingParams, sample
+from executor.stops import TextStream
+from policy.store import Entry
+from policy.work import Step
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class Job:
+    """One generation as the API layer hands it over.
+
+    prompt_ids: the rendered prompt (L >= 1 token ids); starts: its request starts (rows,
+    each < L). max_tokens: tokens to generate at most (0: prefill only). sampling and
+    seed: temperature / top_p and the per-request RNG seed. stop: stop strings.
+    stop_ids: token ids that end the reply (EOS; empty to ignore EOS). continuation:
+    given the reply's text, the prompt prefix the next turn will send (None: no warm pass).
+    """
+
+    prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    starts: tuple[int, ...] = attrs.field(converter=tuple)
+    max_tokens: int
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()
+    continuation: Callable[[str], Rendered] | None = None
+
+
+@attrs.define(eq=False)
+class Live:
+    """A request between submit and finish. The worker mutates the token fields only while
+    a step holding this request runs; the loop thread reads them between steps.
+
+    handle: the runtime's Handle. rng: the per-request generator. text: its TextStream.
+    ended: a stop or max_tokens was reached; stop_seen: by a stop token or string.
+    flushed: what TextStream.finish released (None until then). continuation: the
+    rendered continuation, once the reply ended; next_prompt: it as the runtime handed it
+    to the scheduler (a `conversations.Continuation`).
+    """
+
+    handle: Any
+    job: Job
+    rng: np.random.Generator
+    text: TextStream
+    tokens: list[int] = attrs.field(factory=list)
+    stream: int | None = None
+    ended: bool = False
+    stop_seen: bool = False
+    flushed: str | None = None
+    continuation: Rendered | None = None
+    next_prompt: Any = None
+
+
+@attrs.frozen(eq=False)
+class Plan:
+    """What the worker needs for one step, gathered in the loop thread.
+
+    prefill_ids: the whole prompt of the chunk's pass (request or warm continuation).
+    prefill_state: the stream's state, or None (then restored or new). restores: full hits
+    (stream, entry, request). decodes: (stream, request, state). releases: states to give back.
+    """
+
+    step: Step
+    prefill_ids: tuple[int, ...] | None
+    prefill_state: Any
+    prefill_live: Live | None
+    restores: tuple[tuple[int, Entry, Live], ...]
+    decodes: tuple[tuple[int, Live, Any], ...]
+    releases: tuple[Any, ...]
+
+
+@attrs.define(eq=False)
+class Outcome:
+    """What a step produced: new states by stream, the snapshot a keep asked for, the
+    tokens (request, token id, released text), lanes that stopped, requests whose reply
+    ended (their continuation is rendered), and the error that stopped it, if any."""
+
+    states: dict[int, Any] = attrs.field(factory=dict)
+    snapshot: payloads.Payload | None = None
+    tokens: list[tuple[Live, int, str]] = attrs.field(factory=list)
+    stopped: set[int] = attrs.field(factory=set)
+    ended: list[Live] = attrs.field(factory=list)
+    error: BaseException | None = None
+
+
+class Stepper:
+    """Runs plans on `backend` (one at a time, in the worker thread).
+
+    rows_s: measured seconds per prefill row (chunks of 16+ rows), the eviction value rate.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.rows_s = 1e-4
+        self._takes_tail = ("tail_from" in inspect.signature(backend.prefill).parameters
+                            and backend.config.layer_types[-1] == FULL)
+
+    def run(self, plan: Plan) -> Outcome:
+        """Run one step; a backend exception is returned in `Outcome.error`, not raised."""
+        out = Outcome()
+        t0 = time.perf_counter()
+        try:
+            for state in plan.releases:
+                payloads.release(self.backend, state)
+            for stream, entry, live in plan.restores:
+                out.states[stream] = payloads.restore(self.backend, entry.payload)
+                self._first_token(live, entry.payload.logits, out)
+            if plan.step.prefill is not None:
+                self._prefill(plan, out)
+            self._decode(plan, out)
+        except Exception as exc:
+            out.error = exc
+            return out
+        run = plan.step.prefill
+        if run is not None and run.chunk.rows >= 16 and not plan.decodes:
+            self.rows_s = (time.perf_counter() - t0) / run.chunk.rows
+        return out
+
+    def _prefill(self, plan: Plan, out: Outcome) -> None:
+        run = plan.step.prefill
+        assert run is not None and plan.prefill_ids is not None
+        state = plan.prefill_state
+        if state is None:
+            if run.restore is not None:
+                state = payloads.restore(self.backend, run.restore.payload)
+            else:
+                assert run.chunk.start == 0, "a pass that resumes needs a state"
+                state = self.backend.new_state()
+            out.states[run.stream] = state
+        tail = {"tail_from": run.tail_from} if self._takes_tail and run.tail_from is not None else {}
+        logits = self.backend.prefill(state, plan.prefill_ids, (run.chunk.start, run.chunk.end),
+                                      want_logits=run.chunk.reads_logits, **tail)
+        if run.keep is not None:
+            out.snapshot = payloads.snapshot(self.backend, state, logits if run.keep.with_logits else None)
+        live = plan.prefill_live
+        if live is not None and run.chunk.reads_logits and live.job.max_tokens > 0:
+            self._first_token(live, logits, out)
+
+    def _decode(self, plan: Plan, out: Outcome) -> None:
+        lanes = []
+        for stream, live, state in plan.decodes:
+            if live.ended:  # its first token already stopped it: the stop commits now
+                if live.stop_seen:
+                    out.stopped.add(stream)
+                continue
+            lanes.append((stream, live, state))
+        if not lanes:
+            return
+        logits = self.backend.decode([s for _, _, s in lanes], [lv.tokens[-1] for _, lv, _ in lanes])
+        for i, (stream, live, _) in enumerate(lanes):
+            self._take(live, sample(logits[i], live.job.sampling, live.rng), out)
+            if live.stop_seen:
+                out.stopped.add(stream)
+
+    def _first_token(self, live: Live, logits: np.ndarray | None, out: Outcome) -> None:
+        if logits is None:
+            raise ValueError("the first token needs the last prompt row's logits")
+        self._take(live, sample(logits, live.job.sampling, live.rng), out)
+
+    def _take(self, live: Live, token: int, out: Outcome) -> None:
+        """Record one sampled token: the text it releases, and whether it ends the reply."""
+        live.tokens.append(token)
+        text = ""
+        if token in live.job.stop_ids:
+            live.ended = live.stop_seen = True
+        else:
+            text = live.text.push(token)
+            live.ended = live.stop_seen = live.text.stopped
+        if len(live.tokens) >= live.job.max_tokens:
+            live.ended = True
+        if live.ended:
+            live.flushed = live.text.finish()
+            text += live.flushed
+            if live.job.continuation is not None:
+                try:
+                    live.continuation = live.job.continuation(live.text.text)
+                except Exception as exc:  # a reply the chat format cannot render: no warm pass
+                    log.warning("continuation_failed", request=live.handle.id, error=repr(exc))
+            out.ended.append(live)
+        out.tokens.append((live, token, text))

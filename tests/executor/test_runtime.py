@@ -1,0 +1,326 @@
+"""`executor.runtime.Runtime` in-process on the reference backend: scripted replies (a
+wrapper forces the tokens a test needs), tool-call and reasoning turns that the next
+request resumes from the warm pass, stops, prefill-only, cancellation, backend errors."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import openai
+import pytest
+from aiohttp import web
+
+from executor.chat import ChatRenderer, load_template
+from executor.conversations import Continuation, Conversations
+from executor.model import tiny_model_dir
+from executor.reference.backend import ReferenceBackend
+from executor.runtime import Done, Job, Runtime
+from executor.sampling import SamplingParams
+from executor.server import Api, ApiConfig, build_app
+from executor.tokenizer import load_tokenizer
+from policy.config import PolicyConfig
+from policy.prefix import Prompt
+
+CFG = PolicyConfig(max_chunk_rows=16, warm_quiet_ms=0.0, prompt_cache_bytes=1 << 30)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}]
+
+
+class Scripted:
+    """The reference backend, but every logits row it returns puts `script[k]` on top,
+    k = tokens generated so far by that state (the states themselves are real)."""
+
+    invariant_rows = None
+
+    def __init__(self, inner: ReferenceBackend, script: list[int], fail_on: int | None = None) -> None:
+        self.inner, self.config, self.script, self.fail_on = inner, inner.config, script, fail_on
+        self._base: dict[int, int] = {}
+
+    def _force(self, k: int, logits: np.ndarray) -> np.ndarray:
+        out = np.array(logits, copy=True)
+        out[self.script[min(k, len(self.script) - 1)]] = out.max() + 10.0
+        return out
+
+    def new_state(self):
+        return self.inner.new_state()
+
+    def prefill(self, state, token_ids, rows, want_logits=True):
+        if self.fail_on is not None and self.fail_on in token_ids[rows[0] : rows[1]]:
+            raise RuntimeError("planted backend failure")
+        out = self.inner.prefill(state, token_ids, rows, want_logits)
+        if out is None:
+            return None
+        self._base[id(state)] = state.rows
+        return self._force(0, out)
+
+    def decode(self, states, token_ids):
+        out = self.inner.decode(states, token_ids)
+        return np.stack([self._force(s.rows - self._base[id(s)], out[i]) for i, s in enumerate(states)])
+
+    def snapshot(self, state):
+        return self.inner.snapshot(state)
+
+    def restore(self, payload):
+        state = self.inner.restore(payload)
+        if payload.logits is not None:
+            self._base[id(state)] = payload.rows
+        return state
+
+    def payload_bytes(self, payload):
+        return self.inner.payload_bytes(payload)
+
+    def state_bytes(self, state):
+        return self.inner.state_bytes(state)
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = tiny_model_dir()
+    tok = load_tokenizer(path)
+    return ReferenceBackend.from_dir(path), tok, ChatRenderer(tok, load_template(path))
+
+
+def _ids(tok, text: str, end: str | None = "<|im_end|>") -> list[int]:
+    ids = tok.encode(text, add_special_tokens=False).ids
+    return ids + ([tok.token_to_id(end)] if end else [])
+
+
+def _events(trace: io.StringIO) -> list[dict]:
+    return [json.loads(line) for line in trace.getvalue().splitlines()]
+
+
+async def _wait_for(trace: io.StringIO, kind: str, count: int = 1, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.005)):
+        if sum(e["kind"] == kind for e in _events(trace)) >= count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"no {count} x {kind} in the trace")
+
+
+async def _collect(handle) -> tuple[list, Done]:
+    events = [e async for e in handle.events()]
+    assert isinstance(events[-1], Done)
+    return events[:-1], events[-1]
+
+
+def _run_api(model, script, test, cfg=CFG):
+    backend, tok, renderer = model
+    trace = io.StringIO()
+
+    async def main():
+        runtime = Runtime(Scripted(backend, script), tok, cfg, trace=trace)
+        stop_ids = frozenset({tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")})
+        api = Api(runtime, renderer, ApiConfig(model_id="tiny", context_rows=4096, stop_ids=stop_ids))
+        runner = web.AppRunner(build_app(api), handler_cancellation=True, access_log=None)
+        await runtime.start()
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1", api_key="x",
+                                    max_retries=0)
+        try:
+            await test(client, trace)
+        finally:
+            await client.close()
+            await runtime.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    return _events(trace)
+
+
+def test_tool_call_turn_then_tool_result_resumes_warm_state(model):
+    _, tok, renderer = model
+    text = ("I should call the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+            "Paris\n</parameter>\n</function>\n</tool_call>")
+    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}]
+
+    async def test(client, trace):
+        r1 = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=80,
+                                                  temperature=0)
+        choice = r1.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.reasoning_content == "I should call the tool."
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        await _wait_for(trace, "warm_finished")
+        history = [*messages, choice.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        cont = renderer.render_continuation(messages, choice.message.model_dump(exclude_none=True), TOOLS)
+        r2 = await client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=2,
+                                                  temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens == len(cont.token_ids)
+        assert len(cont.token_ids) >= r1.usage.prompt_tokens + r1.usage.completion_tokens - 2
+
+    events = _run_api(model, _ids(tok, text), test)
+    admitted = [e for e in events if e["kind"] == "request_admitted"]
+    assert admitted[1]["conversation"] == admitted[0]["conversation"] and admitted[1]["source"] == "store"
+
+
+def test_reasoning_turn_then_user_turn_resumes_warm_state(model):
+    _, tok, renderer = model
+    text = "Two and two.\n</think>\n\nThe answer is 4."
+
+    async def test(client, trace):
+        messages = [{"role": "user", "content": "2+2?"}]
+        r1 = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0)
+        msg = r1.choices[0].message
+        assert (msg.reasoning_content, msg.content, r1.choices[0].finish_reason) == ("Two and two.", "The answer is 4.",
+                                                                                     "stop")
+        await _wait_for(trace, "warm_finished")
+        reply = {"role": "assistant", "content": msg.content, "reasoning_content": msg.reasoning_content}
+        cont = renderer.render_continuation(messages, reply)
+        r2 = await client.chat.completions.create(
+            model="tiny", messages=[*messages, reply, {"role": "user", "content": "and 3+3?"}], max_tokens=2,
+            temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens == len(cont.token_ids) > r1.usage.prompt_tokens
+
+    _run_api(model, _ids(tok, text), test)
+
+
+def test_streamed_tool_call(model):
+    _, tok, _ = model
+    text = ("x</think>ok<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+            "</tool_call>")
+
+    async def test(client, trace):
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=60, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert content == "ok" and finish == ["tool_calls"] and chunks[-1].usage.completion_tokens > 5
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Oslo"}]
+
+    _run_api(model, _ids(tok, text), test)
+
+
+def _run_jobs(model, script, jobs_fn, cfg=CFG, fail_on=None):
+    backend, tok, _ = model
+    trace = io.StringIO()
+
+    async def main():
+        runtime = Runtime(Scripted(backend, script, fail_on), tok, cfg, trace=trace)
+        await runtime.start()
+        try:
+            return await jobs_fn(runtime, trace)
+        finally:
+            await runtime.close()
+
+    return asyncio.run(main()), _events(trace)
+
+
+def _job(tok, text="<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", **kw):
+    ids = tok.encode(text, add_special_tokens=False).ids
+    starts = [i for i, t in enumerate(ids) if t == tok.token_to_id("<|im_start|>")]
+    stop_ids = frozenset({tok.token_to_id("<|im_end|>")})
+    return Job(prompt_ids=ids, starts=starts, stop_ids=stop_ids, **{"max_tokens": 8, **kw})
+
+
+def test_first_token_stop_and_stop_strings(model):
+    _, tok, _ = model
+
+    async def jobs(runtime, trace):
+        first = await _collect(runtime.submit(_job(tok)))
+        return first
+
+    (_, done), _ = _run_jobs(model, [tok.token_to_id("<|im_end|>")], jobs)
+    assert (done.reason, done.completion_tokens, done.text) == ("stop", 1, "")
+
+    async def jobs2(runtime, trace):
+        return await _collect(runtime.submit(_job(tok, stop=("STOP",), max_tokens=30)))
+
+    (events, done), _ = _run_jobs(model, _ids(tok, "abc STOP def"), jobs2)
+    assert done.reason == "stop" and done.text == "abc " == "".join(e.text for e in events)
+
+
+def test_prefill_only_and_full_hit(model):
+    _, tok, _ = model
+
+    async def jobs(runtime, trace):
+        a = await _collect(runtime.submit(_job(tok, max_tokens=0)))
+        b = await _collect(runtime.submit(_job(tok, max_tokens=0)))
+        c = await _collect(runtime.submit(_job(tok, max_tokens=3)))
+        return a[1], b[1], c[1]
+
+    (a, b, c), events = _run_jobs(model, _ids(tok, "hey there friend"), jobs)
+    assert (a.reason, a.completion_tokens, a.cached_tokens) == ("length", 0, 0)
+    assert (b.reason, b.cached_tokens) == ("length", b.prompt_tokens)
+    assert c.cached_tokens == c.prompt_tokens and c.completion_tokens == 3  # first token from the kept logits
+    assert not any(e["kind"] == "request_finished" and e["reason"] == "cancelled" for e in events)
+
+
+def test_cancel_mid_prefill_frees_the_lane_within_one_chunk(model):
+    _, tok, _ = model
+    long_text = ("<|im_start|>system\n" + "rule " * 40 + "<|im_end|>\n<|im_start|>user\n" + "word " * 300
+                 + "<|im_end|>\n<|im_start|>assistant\n")
+
+    async def jobs(runtime, trace):
+        handle = runtime.submit(_job(tok, long_text, max_tokens=4))
+        await _wait_for(trace, "state_kept")  # the system cut
+        at = len(_events(trace))
+        runtime.cancel(handle)
+        _, done = await _collect(handle)
+        other = await _collect(runtime.submit(_job(tok, long_text, max_tokens=1)))
+        return done, other[1], at
+
+    (done, other, at), events = _run_jobs(model, _ids(tok, "x"), jobs)
+    assert done.reason == "cancelled"
+    after = events[at:]
+    finished = next(i for i, e in enumerate(after) if e["kind"] == "request_finished")
+    assert after[finished]["request"] == "req-1"
+    assert len([e for e in after[:finished] if e["kind"] == "chunk_done"]) <= 1  # the chunk in flight, if any
+    kept_row = next(e["row"] for e in events if e["kind"] == "state_kept")
+    assert other.cached_tokens == kept_row  # what the cancelled pass kept is still usable
+
+
+def test_backend_error_fails_only_that_request(model):
+    _, tok, _ = model
+    poison = tok.encode(" zebra", add_special_tokens=False).ids[0]
+
+    async def jobs(runtime, trace):
+        bad = await _collect(runtime.submit(_job(tok, "<|im_start|>user\n zebra<|im_end|>\n<|im_start|>assistant\n")))
+        good = await _collect(runtime.submit(_job(tok, max_tokens=2)))
+        return bad[1], good[1]
+
+    (bad, good), _ = _run_jobs(model, _ids(tok, "fine"), jobs, fail_on=poison)
+    assert bad.reason == "error" and "planted" in bad.error
+    assert (good.reason, good.text, good.completion_tokens) == ("stop", "fine", 2)
+
+
+def test_two_runtimes_give_identical_results(model):
+    backend, tok, _ = model
+    job = _job(tok, max_tokens=6, sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7)
+
+    async def run_twice() -> list[tuple[int, ...]]:
+        rt = Runtime(backend, tok, CFG)
+        await rt.start()
+        try:
+            return [(await _collect(rt.submit(job)))[1].token_ids for _ in range(2)]
+        finally:
+            await rt.close()
+
+    first, second = asyncio.run(run_twice()), asyncio.run(run_twice())
+    assert first == second and first[0] == first[1]
+
+
+def test_conversation_matching():
+    convs = Conversations(capacity=2)
+    ids = list(range(100, 140))
+    a = convs.new()
+    convs.expect(a, Continuation.of(ids[:20], (0, 10)))
+    assert convs.match(Prompt.from_tokens(ids), (0, 10, 20, 30)) == a
+    assert convs.match(Prompt.from_tokens(ids), (0, 10, 30)) is None  # 20 must be a start
+    assert convs.match(Prompt.from_tokens([1] + ids[1:]), (0, 20)) is None
+    b, c = convs.new(), convs.new()
+    convs.expect(b, Continuation.of(ids[:25], ()))
+    convs.expect(c, Continuation.of(ids[:30], ()))
+    assert len(convs) == 2 and convs.match(Prompt.from_tokens(ids), (20,)) is None  # oldest dropped
+    convs.warm_scheduled(c, Continuation.of(ids[:30], ()))
+    assert convs.warm_ids(c) == tuple(ids[:30])

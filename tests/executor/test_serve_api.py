@@ -1,0 +1,218 @@
+"""The OpenAI API of a real `python -m executor.serve` process (tiny model, reference
+backend): endpoints, streaming equals non-streaming, stop strings, prefill-only, and a
+4xx with an OpenAI error body for every kind of bad input, the server staying up."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import urllib.request
+
+import openai
+import pytest
+
+from tests.executor.serve_support import ServerProcess
+
+MODEL = "tiny-qwen3_5-v1"
+CONTEXT = 512
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    policy = tmp_path_factory.mktemp("policy") / "p.toml"
+    policy.write_text("queue_rows = 2\nmax_chunk_rows = 64\n")
+    srv = ServerProcess("--backend", "reference", "--policy", str(policy), "--lanes", "1", "--context", str(CONTEXT))
+    yield srv
+    assert srv.stop() == 0
+
+
+def _ok(server) -> None:
+    out = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_models_health_metrics(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    status, body = server.get("/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    _ok(server)
+    status, body = server.get("/metrics")
+    text = body.decode()
+    for name in ("warmstate_requests_total", "warmstate_ttft_seconds_bucket", "warmstate_prompt_rows_total",
+                 "warmstate_warm_passes_total", "warmstate_store_bytes", "warmstate_evictions_total",
+                 "warmstate_lanes_busy"):
+        assert name in text, name
+    assert server.metric("warmstate_ttft_seconds_count") >= 1
+
+
+def _chat_text(resp) -> tuple[str, str]:
+    m = resp.choices[0].message
+    return getattr(m, "reasoning_content", None) or "", m.content or ""
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.8, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_stream_equals_whole_chat(server, sampling):
+    client = server.client()
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=10, extra_body={"return_token_ids": True}, **sampling)
+    client.chat.completions.create(**kw)  # both runs below then resume the same kept state
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert (reasoning, content) == _chat_text(whole)
+    assert ids == whole.choices[0].model_extra["token_ids"] and len(ids) == whole.usage.completion_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert whole.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_stream_equals_whole_completion(server):
+    client = server.client()
+    kw = dict(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+    client.completions.create(**kw)  # both runs below then resume the same kept state
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_stop_string_never_leaks(server):
+    client = server.client()
+    base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    stop = text[3:9]
+    assert len(stop.strip()) > 2
+    expect = text[: text.index(stop)]
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stop=[stop])
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expect, "stop")
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices]
+    assert "".join(pieces) == expect and all("\ufffd" not in p for p in pieces)
+
+
+def test_prefill_only_request(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Prime me: " + "alpha " * 20}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=0)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=0)
+    for r in (first, again):
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+
+
+LONG = "word " * (CONTEXT + 10)
+BAD_CHAT = [
+    ("wrong-type-messages", {"messages": "hi"}, "messages"),
+    ("empty-messages", {"messages": []}, "messages"),
+    ("unknown-role", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("no-user", {"messages": [{"role": "system", "content": "x"}]}, "messages"),
+    ("content-type", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("unknown-field", {"messages": MESSAGES, "frobnicate": 1}, "frobnicate"),
+    ("max-tokens-string", {"messages": MESSAGES, "max_tokens": "10"}, "max_tokens"),
+    ("max-tokens-negative", {"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ("max-tokens-huge", {"messages": MESSAGES, "max_tokens": 10**12}, "max_tokens"),
+    ("max-tokens-float", {"messages": MESSAGES, "max_tokens": 3.5}, "max_tokens"),
+    ("n-zero", {"messages": MESSAGES, "n": 0}, "n"),
+    ("n-two", {"messages": MESSAGES, "n": 2}, "n"),
+    ("temperature-negative", {"messages": MESSAGES, "temperature": -0.5}, "temperature"),
+    ("temperature-string", {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ("top-p-big", {"messages": MESSAGES, "top_p": 1.5}, "top_p"),
+    ("stream-string", {"messages": MESSAGES, "stream": "yes"}, "stream"),
+    ("stream-options-without-stream", {"messages": MESSAGES, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("stop-type", {"messages": MESSAGES, "stop": 7}, "stop"),
+    ("stop-empty", {"messages": MESSAGES, "stop": [""]}, "stop"),
+    ("seed-type", {"messages": MESSAGES, "seed": "x"}, "seed"),
+    ("tools-type", {"messages": MESSAGES, "tools": {"a": 1}}, "tools"),
+    ("too-long", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("model-unknown", {"messages": MESSAGES, "model": "gpt-9"}, "model"),
+]
+
+
+@pytest.mark.parametrize("body, param", [(b, p) for _, b, p in BAD_CHAT], ids=[i for i, _, _ in BAD_CHAT])
+def test_bad_chat_body_gets_4xx_naming_the_field(server, body, param):
+    status, out = server.post("/v1/chat/completions", {"model": MODEL, **body})
+    assert 400 <= status < 500, out
+    err = out["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+    _ok(server)
+
+
+RAW = [
+    ("malformed-json", b'{"messages": [', None),
+    ("not-an-object", b"[1, 2]", None),
+    ("invalid-utf8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
+    ("lone-surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("raw, param", [(r, p) for _, r, p in RAW], ids=[i for i, _, _ in RAW])
+def test_bad_raw_body_gets_400(server, raw, param):
+    status, out = server.post("/v1/chat/completions", raw)
+    assert status == 400 and out["error"]["param"] == param and out["error"]["message"]
+    _ok(server)
+
+
+BAD_COMPLETION = [
+    ("empty-prompt", {"prompt": ""}, "prompt"),
+    ("token-out-of-range", {"prompt": [1, 2, 10**9]}, "prompt"),
+    ("prompt-list", {"prompt": ["a", "b"]}, "prompt"),
+    ("echo", {"prompt": "a", "echo": True}, "echo"),
+    ("unknown-field", {"prompt": "a", "messages": []}, "messages"),
+]
+
+
+@pytest.mark.parametrize("body, param", [(b, p) for _, b, p in BAD_COMPLETION], ids=[i for i, _, _ in BAD_COMPLETION])
+def test_bad_completion_body_gets_4xx(server, body, param):
+    status, out = server.post("/v1/completions", {"model": MODEL, **body})
+    assert 400 <= status < 500 and out["error"]["param"] == param
+    _ok(server)
+
+
+def test_oversized_body_and_unknown_route(server):
+    status, out = server.post("/v1/chat/completions", b"{" + b" " * (33 << 20) + b"}")
+    assert status == 413 and out["error"]["message"]
+    status, body = server.get("/v1/nothing")
+    assert status == 404 and json.loads(body)["error"]["message"]
+    _ok(server)
+
+
+def test_queue_full_gets_503_and_others_are_served(server):
+    client = server.client()
+
+    def one(i: int):
+        try:
+            r = client.chat.completions.create(model=MODEL, max_tokens=40, temperature=0,
+                                               extra_body={"ignore_eos": True},
+                                               messages=[{"role": "user", "content": f"count {i}"}])
+            return r.usage.completion_tokens
+        except openai.APIStatusError as err:
+            return err.status_code, err.body
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    served = [r for r in results if r == 40]
+    refused = [r for r in results if isinstance(r, tuple)]
+    assert len(served) >= 3 and refused and len(served) + len(refused) == 6
+    for status, body in refused:
+        assert status == 503 and body["code"] == "queue_full"
+    _ok(server)
+
+
+def test_disconnect_mid_stream_frees_the_lane(server):
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps({
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True, "temperature": 0,
+        "ignore_eos": True}).encode(), headers={"Content-Type": "application/json"})
+    before = server.metric("warmstate_requests_total", outcome="cancelled")
+    resp = urllib.request.urlopen(req, timeout=30)
+    resp.readline()
+    resp.readline()
+    resp.close()
+    server.wait_metric("warmstate_requests_total", before + 1, outcome="cancelled")
+    assert server.metric("warmstate_lanes_busy") == 0
+    _ok(server)
