@@ -19,6 +19,7 @@ import logging
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -50,7 +51,8 @@ class ServeConfig:
     model: checkpoint directory, or None for the built-in tiny model. backend: auto (GPU
     when numba-cuda and a GPU are usable, else reference), cuda or reference. host/port:
     where to listen (port 0: any free port). context_rows: most rows a request may use
-    (None: the model's max_position_embeddings). trace: JSONL trace file, or None.
+    (None: the model's max_position_embeddings, capped at gpu_context_rows on the GPU,
+    where every lane's state is allocated at full context). trace: JSONL trace file, or None.
     """
 
     model: Path | None = None
@@ -59,6 +61,7 @@ class ServeConfig:
     port: int = attrs.field(default=8000, validator=attrs.validators.and_(attrs.validators.ge(0),
                                                                            attrs.validators.le(65535)))
     context_rows: int | None = None
+    gpu_context_rows: int = 32768
     trace: Path | None = None
     policy: PolicyConfig = attrs.field(factory=PolicyConfig)
 
@@ -106,8 +109,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        context_rows=args.context, trace=args.trace, policy=policy)
 
 
-def load_backend(kind: str, model_dir: Path, *, lanes: int, context_rows: int) -> tuple[Backend, str]:
-    """The backend for `kind` and its name; `auto` falls back to reference without a usable GPU.
+def load_backend(kind: str, model_dir: Path, cfg: ServeConfig, max_rows: int) -> tuple[Backend, str, int]:
+    """The backend for `kind`, its name and the context rows it serves; `auto` falls back
+    to reference without a usable GPU. max_rows: the model's max_position_embeddings.
 
     Raises RuntimeError when `cuda` is asked for and cannot be loaded.
     """
@@ -118,12 +122,26 @@ def load_backend(kind: str, model_dir: Path, *, lanes: int, context_rows: int) -
 
             if IS_SIMULATOR or not is_gpu_available():
                 raise RuntimeError("no usable GPU")
-            return NumbaCudaBackend.from_dir(model_dir, slots=lanes + 2, capacity_rows=context_rows), "cuda"
+            rows = cfg.context_rows or min(max_rows, cfg.gpu_context_rows)
+            slots = cfg.policy.lanes + 2  # the lanes, a warm pass, a restore in flight
+            return NumbaCudaBackend.from_dir(model_dir, slots=slots, capacity_rows=rows), "cuda", rows
         except Exception as exc:  # ImportError, no GPU, a checkpoint the GPU backend cannot serve
             if kind == "cuda":
                 raise RuntimeError(f"--backend cuda: {exc}") from exc
             log.info("gpu_backend_unavailable", reason=repr(exc))
-    return ReferenceBackend.from_dir(model_dir), "reference"
+    return ReferenceBackend.from_dir(model_dir), "reference", cfg.context_rows or max_rows
+
+
+def warm_up(backend: Backend) -> None:
+    """Run one tiny prefill and decode so kernels compile before the server says ready."""
+    state = backend.new_state()
+    try:
+        logits = backend.prefill(state, (0, 1), (0, 2))
+        backend.decode([state], [int(logits.argmax())])
+    finally:
+        release = getattr(backend, "release", None)
+        if release is not None:
+            release(state)
 
 
 def _git_commit() -> str | None:
@@ -159,12 +177,12 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
     """Load the model, serve until SIGINT/SIGTERM, stop cleanly."""
     model_dir = cfg.model or tiny_model_dir()
     config = load_config(model_dir)
-    context_rows = cfg.context_rows or config.max_position_embeddings
-    tokenizer, (backend, backend_name) = await asyncio.gather(
+    tokenizer, (backend, backend_name, context_rows) = await asyncio.gather(
         asyncio.to_thread(lambda: load_tokenizer(model_dir) or default_tokenizer()),
-        asyncio.to_thread(load_backend, cfg.backend, model_dir, lanes=cfg.policy.lanes, context_rows=context_rows),
+        asyncio.to_thread(load_backend, cfg.backend, model_dir, cfg, config.max_position_embeddings),
     )
     renderer = ChatRenderer(tokenizer, load_template(model_dir))
+    await asyncio.to_thread(warm_up, backend)
     stop_ids = set(config.eos_token_ids) | {t for name in STOP_TOKENS if (t := tokenizer.token_to_id(name)) is not None}
     trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
     if cfg.trace:
@@ -206,6 +224,7 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(sys.stderr)
+    warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization")
     try:
         cfg = config_from_args(args)
     except (ValueError, OSError) as exc:

@@ -27,6 +27,8 @@ def _kind(name: str) -> Any:
 
 @attrs.frozen(kw_only=True)
 class RequestArrived(Event):
+    """A request reached the scheduler: prompt `rows`, `max_tokens` to generate."""
+
     request: str
     conversation: str
     rows: int
@@ -36,6 +38,8 @@ class RequestArrived(Event):
 
 @attrs.frozen(kw_only=True)
 class RequestRejected(Event):
+    """A request was refused before admission, with the `reason` (e.g. queue_full)."""
+
     request: str
     conversation: str
     reason: str
@@ -44,6 +48,8 @@ class RequestRejected(Event):
 
 @attrs.frozen(kw_only=True)
 class RequestAdmitted(Event):
+    """A request got a lane (`stream`); it resumes at row `cached_tokens` from `source`."""
+
     request: str
     conversation: str
     stream: int
@@ -55,6 +61,9 @@ class RequestAdmitted(Event):
 
 @attrs.frozen(kw_only=True)
 class ChunkStarted(Event):
+    """A prefill chunk [start, end) of a cold or warm pass began; `tail_from` per rule 8,
+    `restore_row` when the pass first restores a kept state at that row."""
+
     stream: int
     request: str | None
     conversation: str
@@ -68,6 +77,8 @@ class ChunkStarted(Event):
 
 @attrs.frozen(kw_only=True)
 class ChunkDone(Event):
+    """A prefill chunk [start, end) finished."""
+
     stream: int
     request: str | None
     conversation: str
@@ -79,6 +90,8 @@ class ChunkDone(Event):
 
 @attrs.frozen(kw_only=True)
 class FirstToken(Event):
+    """A request's first token is ready; `ttft_s` is seconds since it arrived."""
+
     request: str
     conversation: str
     stream: int
@@ -88,6 +101,8 @@ class FirstToken(Event):
 
 @attrs.frozen(kw_only=True)
 class StateKept(Event):
+    """A state at `row` entered the prompt cache as `entry`, adding `bytes` (rule 3)."""
+
     stream: int
     conversation: str
     entry: int
@@ -99,6 +114,8 @@ class StateKept(Event):
 
 @attrs.frozen(kw_only=True)
 class KeepRefused(Event):
+    """A keep at `row` was refused (`reason`: over_budget or cache_off)."""
+
     stream: int
     conversation: str
     row: int
@@ -108,6 +125,8 @@ class KeepRefused(Event):
 
 @attrs.frozen(kw_only=True)
 class StateEvicted(Event):
+    """Entry `entry` at `row` was evicted (rule 4): `how` is ghost or freed."""
+
     entry: int
     row: int
     bytes: int
@@ -117,6 +136,8 @@ class StateEvicted(Event):
 
 @attrs.frozen(kw_only=True)
 class WarmScheduled(Event):
+    """A warm pass of `rows` rows was scheduled after request `after`'s reply ended."""
+
     conversation: str
     after: str  # the request whose reply ended
     rows: int
@@ -125,6 +146,8 @@ class WarmScheduled(Event):
 
 @attrs.frozen(kw_only=True)
 class WarmStarted(Event):
+    """A warm pass began on `stream`, resuming at `resume` and planned to end at `end`."""
+
     conversation: str
     stream: int
     resume: int
@@ -134,6 +157,8 @@ class WarmStarted(Event):
 
 @attrs.frozen(kw_only=True)
 class WarmYielded(Event):
+    """A warm pass at `row` gave way to foreground work between chunks (rule 6)."""
+
     conversation: str
     stream: int
     row: int
@@ -142,6 +167,9 @@ class WarmYielded(Event):
 
 @attrs.frozen(kw_only=True)
 class WarmCancelled(Event):
+    """A warm pass was cancelled at `row` (`reason`: nothing_usable, already_kept,
+    superseded, warm_off)."""
+
     conversation: str
     row: int
     reason: str
@@ -150,6 +178,8 @@ class WarmCancelled(Event):
 
 @attrs.frozen(kw_only=True)
 class WarmAdopted(Event):
+    """Request `request` took over the warm pass's `stream` at `row` (rule 6)."""
+
     conversation: str
     request: str
     stream: int
@@ -159,6 +189,8 @@ class WarmAdopted(Event):
 
 @attrs.frozen(kw_only=True)
 class WarmFinished(Event):
+    """A warm pass reached its end `row` and released its stream."""
+
     conversation: str
     stream: int
     row: int
@@ -167,6 +199,8 @@ class WarmFinished(Event):
 
 @attrs.frozen(kw_only=True)
 class RequestFinished(Event):
+    """A request ended: `reason` stop, length or cancelled; rows, cached_tokens, output_rows."""
+
     request: str
     conversation: str
     reason: str  # "stop", "length", "cancelled"

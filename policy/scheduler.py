@@ -27,6 +27,8 @@ from policy.warm import WarmVerdict, can_adopt, decide_warm, finish_reason, is_q
 
 
 class Phase(enum.Enum):
+    """Where an admitted lane is: prefilling, waiting to restore a full hit, or decoding."""
+
     PREFILL = "prefill"
     RESTORE = "restore"
     DECODE = "decode"
@@ -46,6 +48,7 @@ class _Pass:
     request: str | None
 
     def fingerprint(self, row: int, facts: BackendFacts) -> Fingerprint:
+        """The cut fingerprint of this pass's state at `row` (its cuts below `row`)."""
         return cut_fingerprint(self.cuts, row, facts)
 
 

@@ -47,6 +47,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.reqs: dict[str, Request] = {}
         self.checker = Checker(self.cfg, self.facts, self.reqs)
         self.sched = Scheduler(self.cfg, self.facts, SHAPE, emit=self.checker.event)
+        self.checker.store = self.sched.store
         self.now = 0.0
         self.inflight = None
         self.history: dict[str, tuple[list[tuple[int, int]], list[int]]] = {}

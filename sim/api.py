@@ -101,6 +101,8 @@ def simulate(
     sim = Simulation(workload, cfg, profile, facts, emit=emit, requests=requests,
                      on_step=checker.step if checker is not None else None,
                      fast_forward=fast_forward)
+    if checker is not None:
+        checker.store = sim.scheduler.store
     result = sim.run()
     if checker is not None:
         checker.finish()

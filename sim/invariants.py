@@ -13,7 +13,8 @@ from policy.config import PolicyConfig
 from policy.plan import check_starts, plan_chunks
 from policy.scheduler import Scheduler
 from policy.work import Evicted, Kept, Request, Step
-from policy.usable import BackendFacts, is_usable
+from policy.keep import PassKind, keep_rows
+from policy.usable import BackendFacts, KeptRow, is_usable, resume_row
 
 
 class InvariantBroken(AssertionError):
@@ -52,6 +53,8 @@ class Checker:
         self._recent: deque[ev.Event] = deque(maxlen=history)
         self._reqs: dict[str, _Req] = {}
         self._waiting: dict[str, _Req] = {}
+        self._stream_req: dict[int, _Req] = {}
+        self.store = None
         self._warm_running_chunk = False
         self.events = 0
         self._changes = 0
@@ -80,6 +83,18 @@ class Checker:
                                    has_logits=e.cached_tokens == len(req.prompt))
                 if not usable:
                     self.fail("rule 2 (usable)", f"resumed at row {e.cached_tokens}, not usable", e.request)
+            if req is not None:
+                self._stream_req[e.stream] = r
+                self._check_longest(req, e)
+        elif isinstance(e, ev.StateKept):
+            r = self._stream_req.get(e.stream)
+            if r is not None and r.req is not None and r.cached is not None and r.finished is None:
+                req = r.req
+                rows = {k.row for k in keep_rows(PassKind.COLD, len(req.prompt), req.starts, r.cached,
+                                                 self.cfg, self.facts)}
+                if e.row not in rows:
+                    self.fail("rule 3 (keep)", f"kept row {e.row}; the pass keeps only {sorted(rows)[:8]}",
+                              req.id)
         elif isinstance(e, ev.ChunkDone):
             if e.pass_kind == "warm":
                 self._warm_running_chunk = False
@@ -151,6 +166,20 @@ class Checker:
                 self.fail("every request ends", "request never finished", rid)
         if self._store is not None:
             self._check_store(self._store)
+
+    def _check_longest(self, req: Request, e: ev.RequestAdmitted) -> None:
+        """Rule 5 by brute force over every live kept state (while the store is small)."""
+        store = self.store
+        if store is None or len(store) > 512:
+            return
+        L = len(req.prompt)
+        kept = [KeptRow(x.row, x.fingerprint, x.has_logits) for x in store.entries()
+                if x.live and x.row <= L and x.digest == req.prompt.digest(x.row)]
+        best = resume_row(L, req.starts, self.cfg, self.facts, kept)
+        if e.source == "warm" and e.cached_tokens >= best:
+            return
+        if e.cached_tokens != best:
+            self.fail("rule 5 (longest usable)", f"resumed at {e.cached_tokens}, longest usable is {best}", req.id)
 
     def _check_plan(self, r: _Req) -> None:
         req = r.req

@@ -142,3 +142,37 @@ def test_planted_plan_that_forgets_starts_after_resume_is_caught(small_chat, pro
     with pytest.raises(InvariantBroken) as err:
         simulate(small_chat, PolicyConfig(), profile, facts_for(profile))
     assert err.value.rule == "rule 1 (plan consistency)"
+
+
+def test_planted_lookup_that_skips_the_longest_state_is_caught(small_chat, profile, monkeypatch):
+    real = store_mod.Store.lookup
+
+    def second_best(self, prompt, starts, now_s):
+        best = real(self, prompt, starts, now_s)
+        if best is None:
+            return None
+        return real(self, prompt.prefix(best.row), tuple(s for s in starts if s < best.row), now_s)
+
+    monkeypatch.setattr(store_mod.Store, "lookup", second_best)
+    with pytest.raises(InvariantBroken) as err:
+        simulate(small_chat, PolicyConfig(), profile, facts_for(profile))
+    assert err.value.rule in ("rule 5 (longest usable)", "rule 2 (usable)")
+
+
+def test_planted_keep_at_a_row_the_pass_does_not_keep_is_caught(small_chat, profile, monkeypatch):
+    import policy.scheduler as sched_mod
+    from policy.keep import KeepRow
+
+    real = sched_mod.keep_rows
+
+    def extra(kind, rows, starts, resume, cfg, facts):
+        out = real(kind, rows, starts, resume, cfg, facts)
+        inner = [s for s in starts if resume < s < rows]
+        return tuple(sorted(set(out) | {KeepRow(s) for s in inner}, key=lambda k: k.row))
+
+    monkeypatch.setattr(sched_mod, "keep_rows", extra)
+    # Without warm passes a turn resumes at the last turn's user message, so the reply's
+    # message start lies between its resume row and its last start: an extra keep.
+    with pytest.raises(InvariantBroken) as err:
+        simulate(small_chat, PolicyConfig(warm_enabled=False), profile, facts_for(profile))
+    assert err.value.rule == "rule 3 (keep)"
