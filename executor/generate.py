@@ -92,7 +92,9 @@ class _CurrentStderr:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = GenerateRequest(prompt_ids=(0,))
-    parser = argparse.ArgumentParser(prog="python -m executor.generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m executor.generate", description=(
+        "Generate from one prompt on the reference backend: prefill, then decode until "
+        "--max-tokens or a stop token."))
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny model)")
     parser.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -109,9 +111,25 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; bad input (a message list the chat format rejects, a token id outside
+    the vocabulary, a bad checkpoint) prints one `error:` line and returns 2."""
+    try:
+        return _main(argv)
+    except ValueError as err:  # ChatError, CheckpointError and range checks are ValueErrors
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()))
     model_dir = args.model or tiny_model_dir()
+    if not Path(model_dir).is_dir() or not (Path(model_dir) / "config.json").is_file():
+        print(f"error: --model {model_dir}: not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    if args.max_tokens < 0:
+        print(f"error: --max-tokens must be >= 0, got {args.max_tokens}", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(model_dir)
     if args.prompt_ids is not None:
         try:
@@ -125,8 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.prompt is not None:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
     else:
-        spec: Any = json.loads(args.chat.read_text(encoding="utf-8"))
+        try:
+            spec: Any = json.loads(args.chat.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            print(f"error: --chat {args.chat}: {err}", file=sys.stderr)
+            return 2
         spec = {"messages": spec} if isinstance(spec, list) else spec
+        if not isinstance(spec, dict) or not isinstance(spec.get("messages"), list):
+            print(f"error: --chat {args.chat}: want a message list or {{\"messages\": [...]}}", file=sys.stderr)
+            return 2
         renderer = ChatRenderer(tokenizer, load_template(model_dir))
         prompt_ids = list(
             renderer.render(

@@ -287,8 +287,7 @@ class Runtime:
         """Give the scheduler the reply's continuation before it finishes the request.
 
         The scheduler reads `Request.continuation` when the request finishes, but the
-        executor learns it only when the reply ends. policy.Scheduler has no public call
-        for this yet (see the report of issue 6): replace the admitted lane's Request.
+        executor learns it only when the reply ends: `Scheduler.set_continuation`.
         """
         rendered = live.continuation
         if rendered is None or live.stream is None or not rendered.token_ids:
@@ -296,13 +295,7 @@ class Runtime:
         cont = Continuation.of(rendered.token_ids, rendered.starts)
         live.next_prompt = cont
         self.conversations.expect(live.handle.conversation, cont)
-        setter = getattr(self.scheduler, "set_continuation", None)
-        if setter is not None:
-            setter(live.handle.id, cont.prompt, cont.starts)
-            return
-        lane = self.scheduler._lanes.get(live.stream)
-        if lane is not None and lane.request.id == live.handle.id:
-            lane.request = attrs.evolve(lane.request, continuation=cont.prompt, continuation_starts=cont.starts)
+        self.scheduler.set_continuation(live.handle.id, cont.prompt, cont.starts)
 
     def _apply(self, effects: list[object], snapshot: payloads.Payload | None = None) -> None:
         for e in effects:

@@ -161,13 +161,23 @@ def _write_meta(cfg: ServeConfig, model_dir: Path, backend: str, context_rows: i
     cfg.trace.with_name(cfg.trace.name + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def configure_logging(stream: IO[str]) -> None:
-    """structlog to `stream`: JSON lines unless it is a terminal."""
-    renderer: Any = structlog.dev.ConsoleRenderer() if stream.isatty() else structlog.processors.JSONRenderer()
+class _CurrentStderr:
+    """Writes to whatever sys.stderr is at write time (tests swap and close it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def configure_logging() -> None:
+    """structlog to stderr: JSON lines unless stderr is a terminal."""
+    renderer: Any = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
                     structlog.processors.format_exc_info, renderer],
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         cache_logger_on_first_use=False,
     )
@@ -223,13 +233,13 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging(sys.stderr)
     warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization")
     try:
         cfg = config_from_args(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    configure_logging()
     try:
         asyncio.run(serve(cfg))
     except OSError as exc:  # e.g. the port is taken

@@ -94,7 +94,7 @@ class Api:
 
     def _max_tokens(self, rows: int, wanted: int | None, prompt_param: str) -> int:
         ctx = self.cfg.context_rows
-        if rows > ctx:
+        if rows > ctx or (wanted is None and rows == ctx):
             raise ApiError(f"This model's maximum context length is {ctx} tokens; the prompt has {rows}",
                            prompt_param, code="context_length_exceeded")
         if wanted is None:
@@ -129,8 +129,7 @@ class Api:
             raise ApiError(f"request rejected: {exc.reason}", status=503, type="server_error",
                            code=exc.reason) from None
 
-    async def _run(self, request: web.Request, handle: Handle,
-                   body: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def _run(self, handle: Handle, body: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Run a response body; a client that goes away cancels its request."""
         try:
             return await body()
@@ -177,8 +176,8 @@ class Api:
             return ReplyParser(call.enable_thinking, tools, id_prefix=f"call_{self._prefix}{handle.id[4:]}_")
 
         if call.sampling.stream:
-            return await self._run(request, handle, lambda: self._chat_stream(request, handle, cid, call, parser()))
-        return await self._run(request, handle, lambda: self._chat_whole(handle, cid, call, parser()))
+            return await self._run(handle, lambda: self._chat_stream(request, handle, cid, call, parser()))
+        return await self._run(handle, lambda: self._chat_whole(handle, cid, call, parser()))
 
     async def _chat_whole(self, handle: Handle, cid: str, call: ChatCall, parser: ReplyParser) -> web.Response:
         done = None
@@ -259,9 +258,9 @@ class Api:
         handle = self._submit(self._job(rendered, call.sampling, max_tokens, None))
         cid = f"cmpl-{self._prefix}-{handle.id}"
         if call.sampling.stream:
-            return await self._run(request, handle,
+            return await self._run(handle,
                                    lambda: self._completion_stream(request, handle, cid, call.sampling))
-        return await self._run(request, handle, lambda: self._completion_whole(handle, cid, call.sampling))
+        return await self._run(handle, lambda: self._completion_whole(handle, cid, call.sampling))
 
     async def _completion_whole(self, handle: Handle, cid: str, sampling: Sampling) -> web.Response:
         done = None

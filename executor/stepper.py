@@ -128,7 +128,7 @@ class Stepper:
                 payloads.release(self.backend, state)
             for stream, entry, live in plan.restores:
                 out.states[stream] = payloads.restore(self.backend, entry.payload)
-                self._first_token(live, entry.payload.logits, out)
+                self._first_token(stream, live, entry.payload.logits, out)
             if plan.step.prefill is not None:
                 self._prefill(plan, out)
             self._decode(plan, out)
@@ -158,14 +158,12 @@ class Stepper:
             out.snapshot = payloads.snapshot(self.backend, state, logits if run.keep.with_logits else None)
         live = plan.prefill_live
         if live is not None and run.chunk.reads_logits and live.job.max_tokens > 0:
-            self._first_token(live, logits, out)
+            self._first_token(run.stream, live, logits, out)
 
     def _decode(self, plan: Plan, out: Outcome) -> None:
         lanes = []
         for stream, live, state in plan.decodes:
-            if live.ended:  # its first token already stopped it: the stop commits now
-                if live.stop_seen:
-                    out.stopped.add(stream)
+            if live.ended:  # ended by its first token, at max_tokens: the commit finishes it
                 continue
             lanes.append((stream, live, state))
         if not lanes:
@@ -176,10 +174,12 @@ class Stepper:
             if live.stop_seen:
                 out.stopped.add(stream)
 
-    def _first_token(self, live: Live, logits: np.ndarray | None, out: Outcome) -> None:
+    def _first_token(self, stream: int, live: Live, logits: np.ndarray | None, out: Outcome) -> None:
         if logits is None:
             raise ValueError("the first token needs the last prompt row's logits")
         self._take(live, sample(logits, live.job.sampling, live.rng), out)
+        if live.stop_seen:  # the scheduler finishes it with "stop" in this step's commit
+            out.stopped.add(stream)
 
     def _take(self, live: Live, token: int, out: Outcome) -> None:
         """Record one sampled token: the text it releases, and whether it ends the reply."""

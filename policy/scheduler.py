@@ -187,8 +187,26 @@ class Scheduler:
         out, self._admission_effects = self._admission_effects, []
         return out
 
+    def set_continuation(self, request_id: str, prompt: Prompt, starts: tuple[int, ...]) -> bool:
+        """Attach what the next turn will start with to an admitted request, once its reply
+        is known (the executor renders it when the reply ends, before committing that step).
+
+        Returns False when the request holds no lane (finished, cancelled, never admitted).
+        """
+        for lane in self._lanes.values():
+            if lane.request.id == request_id:
+                lane.request = attrs.evolve(lane.request, continuation=prompt,
+                                            continuation_starts=tuple(starts))
+                return True
+        return False
+
     def commit(self, step: Step, now: float, stopped: frozenset[int] = frozenset()) -> list[object]:
-        """`step` finished at `now`; `stopped` lanes hit a stop token. Returns runner effects."""
+        """`step` finished at `now`. Returns runner effects.
+
+        stopped: streams whose newest token (a decode round's, or the first token of a lane
+        whose last prefill chunk or full-hit restore ran in this step) is a stop token or
+        ends a stop string; they finish with "stop".
+        """
         inflight = self._inflight
         assert inflight is not None and attrs.evolve(step, rounds=1) == inflight, \
             "commit of a step that is not in flight"
@@ -197,13 +215,13 @@ class Scheduler:
         self._inflight = None
         effects: list[object] = []
         if step.prefill is not None:
-            effects.extend(self._commit_chunk(step.prefill, now))
+            effects.extend(self._commit_chunk(step.prefill, now, stopped))
         for stream, entry in step.restores:
             lane = self._lanes[stream]
             self.store.unpin(entry)
             lane.pass_.restore = None
             lane.phase = Phase.DECODE
-            effects.extend(self._first_token(stream, lane, now))
+            effects.extend(self._first_token(stream, lane, now, stream in stopped))
         for stream in step.decode:
             lane = self._lanes.get(stream)
             if lane is None:
@@ -359,7 +377,7 @@ class Scheduler:
         return w
 
     # --- internals: commits ---------------------------------------------------------------
-    def _commit_chunk(self, run: ChunkRun, now: float) -> list[object]:
+    def _commit_chunk(self, run: ChunkRun, now: float, stopped: frozenset[int]) -> list[object]:
         effects: list[object] = []
         lane = self._lanes.get(run.stream) if run.kind is PassKind.COLD else None
         w = self._warm_running if run.kind is PassKind.WARM else None
@@ -384,7 +402,7 @@ class Scheduler:
             lane.phase = Phase.DECODE
             if lane.cancelled:
                 return effects
-            effects.extend(self._first_token(run.stream, lane, now))
+            effects.extend(self._first_token(run.stream, lane, now, run.stream in stopped))
         elif w is not None:
             self._warm.pop(w.conversation, None)
             self._warm_running = None
@@ -393,12 +411,14 @@ class Scheduler:
             effects.append(Released(p.stream))
         return effects
 
-    def _first_token(self, stream: int, lane: _Lane, now: float) -> list[object]:
+    def _first_token(self, stream: int, lane: _Lane, now: float, stopped: bool) -> list[object]:
         if lane.request.max_tokens == 0:
             return self._finish(stream, now, "length")
         lane.tokens = 1
         self._emit(ev.FirstToken(t=now, request=lane.request.id, conversation=lane.request.conversation,
                                  stream=stream, ttft_s=now - lane.arrived_s))
+        if stopped:
+            return self._finish(stream, now, "stop")
         if lane.tokens >= lane.request.max_tokens:
             return self._finish(stream, now, "length")
         return []

@@ -218,11 +218,11 @@ class Store:
         anchor = found if found is not None else parent
         if anchor is not None:
             anchor.children += 1
-            self._rank(anchor)  # evicting it now frees only its fixed part
+            self._refresh(anchor)  # evicting it (or a state below it) frees less now
         evicted = self._make_room(need, anchor, now_s)
         if anchor is not None:
             anchor.children -= 1
-            self._rank(anchor)
+            self._refresh(anchor)
         if evicted is None:
             return KeepResult(None, (), "over_budget")
         if found is not None:
@@ -250,7 +250,7 @@ class Store:
             self._live += 1
             if parent is not None:
                 self._refresh(parent)
-        self._rank(entry)
+        self._refresh(entry)  # a revived ghost ends the ghost chains of the states below it
         self.bytes_peak = max(self.bytes_peak, self.bytes_used)
         return KeepResult(entry, tuple(evicted), "kept")
 

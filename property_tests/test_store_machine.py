@@ -28,7 +28,13 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from policy_strategies import CONTROL
+from policy_strategies import (
+    CONTROL,
+    Case,
+    oracle_fingerprint,
+    oracle_fresh_cuts,
+    oracle_usable,
+)
 
 from policy.config import PolicyConfig
 from policy.keep import PassKind, keep_rows
@@ -133,9 +139,8 @@ class StoreMachine(RuleBasedStateMachine):
         for k in self.model:
             r, digest, kfp = k
             if r < row and digest == prompt.digest(r) and kfp == tuple(c for c in fp if c < r) \
-                    and (r in fp or (g is not None and r % g == 0)):
-                if best is None or r > best[0]:
-                    best = k
+                    and (r in fp or (g is not None and r % g == 0)) and (best is None or r > best[0]):
+                best = k
         return best
 
     def score(self, key, live, hold):
@@ -145,7 +150,6 @@ class StoreMachine(RuleBasedStateMachine):
         return e.value_s * 0.5 ** (idle / self.cfg.idle_half_life_s) / max(1, freed)
 
     def entry(self, key):
-        row, digest, fp = key
         for e in self.store.entries():
             if (e.row, e.digest, e.fingerprint) == key:
                 return e
@@ -192,6 +196,9 @@ class StoreMachine(RuleBasedStateMachine):
             return None
         assert result.reason == "kept", result.reason
         assert fits_now or fits_at_all, "kept a state that cannot fit"
+        got_parent = result.entry.parent
+        assert (None if got_parent is None else (got_parent.row, got_parent.digest, got_parent.fingerprint)) == \
+            parent, "shares K/V with the wrong prefix"
         # Evictions: live, unpinned, lowest value per byte first, and no more than needed.
         victims = [(e.entry.row, e.entry.digest, e.entry.fingerprint) for e in result.evicted]
         primary = list(dict.fromkeys(k for k in victims if k in live_before))  # a ghost may be freed later
@@ -217,9 +224,6 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             self.model[key] = ModelEntry(row, parent, has_logits, value_s, self.now_s)
         assert (result.entry.row, result.entry.digest, result.entry.fingerprint) == key
-        got_parent = result.entry.parent
-        assert (None if got_parent is None else (got_parent.row, got_parent.digest, got_parent.fingerprint)) == \
-            self.model[key].parent, "shares K/V with the wrong prefix"
         return key
 
     @rule(target=kept, data=st.data())
@@ -245,14 +249,14 @@ class StoreMachine(RuleBasedStateMachine):
         rows = data.draw(st.one_of(st.just(full), st.integers(1, full)), label="rows")
         prompt = PROMPTS[i].prefix(rows)
         starts = tuple(s for s in self.starts[i] if s < rows)
-        cuts = fresh_cuts(rows, starts, self.cfg)
+        request = Case(rows, starts, self.cfg, self.facts)
+        cuts = oracle_fresh_cuts(rows, starts, self.cfg)
         best = None
         for k in self.live_keys():
             row, digest, fp = k
-            if row <= rows and digest == prompt.digest(row) and fp == cut_fingerprint(cuts, row, self.facts) \
-                    and is_usable(row, rows, starts, self.cfg, self.facts, has_logits=self.model[k].has_logits):
-                if best is None or row > best[0]:
-                    best = k
+            if row <= rows and digest == prompt.digest(row) and fp == oracle_fingerprint(cuts, row, self.facts) \
+                    and oracle_usable(request, row, self.model[k].has_logits) and (best is None or row > best[0]):
+                best = k
         got = self.store.lookup(prompt, starts, self.now_s)
         got_key = None if got is None else (got.row, got.digest, got.fingerprint)
         assert got_key == best, f"lookup {got_key}, longest usable {best}"
@@ -315,27 +319,20 @@ TestStoreMachine = StoreMachine.TestCase
 
 
 # --- planted wrong stores are caught --------------------------------------------------------------
-class _Forwarding:
-    """A store wrapper whose methods forward to a real Store unless overridden."""
+class _EvictsPinned(Store):
+    """Wrong: makes room as if no state were pinned (the pins come back on what survives)."""
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-
-class _ForgetsPins(_Forwarding):
-    """Wrong: pinning does nothing, so a state in use can be evicted."""
-
-    def pin(self, entry) -> None:
-        pass
-
-    def unpin(self, entry) -> None:
-        pass
+    def _make_room(self, need, anchor, now_s):
+        pinned = [(e, e.pins) for e in self.entries() if e.pins]
+        for e, pins in pinned:
+            for _ in range(pins):
+                self.unpin(e)
+        try:
+            return super()._make_room(need, anchor, now_s)
+        finally:
+            for e, pins in pinned:
+                for _ in range(pins if e.live else 0):
+                    self.pin(e)
 
 
 class _ForgetsSharedKV(Store):
@@ -362,7 +359,7 @@ class _NoBudget(Store):
 
 
 class _ShortestLookup(Store):
-    """Wrong: returns the shortest usable kept state."""
+    """Wrong: returns the shortest usable kept state (marked used as the real lookup does)."""
 
     def lookup(self, prompt, starts, now_s):
         cuts = fresh_cuts(len(prompt), starts, self.cfg)
@@ -370,6 +367,7 @@ class _ShortestLookup(Store):
             if e.live and e.row <= len(prompt) and e.digest == prompt.digest(e.row) \
                     and e.fingerprint == cut_fingerprint(cuts, e.row, self.facts) \
                     and is_usable(e.row, len(prompt), starts, self.cfg, self.facts, has_logits=e.has_logits):
+                self.keep(e.prompt, e.row, e.fingerprint, has_logits=False, value_s=0.0, now_s=now_s)
                 return e
         return None
 
@@ -428,8 +426,8 @@ def _assert_machine_caught(make) -> None:
     raise AssertionError("the state machine did not catch the planted store")
 
 
-def test_catches_a_store_that_forgets_pins():
-    _assert_machine_caught(lambda *a: _ForgetsPins(Store(*a)))
+def test_catches_a_store_that_evicts_pinned_states():
+    _assert_machine_caught(_EvictsPinned)
 
 
 def test_catches_a_store_that_forgets_shared_kv():

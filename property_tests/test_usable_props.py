@@ -12,16 +12,21 @@ from policy_strategies import (
     Case,
     assert_caught,
     cases,
-    facts_strategy,
     oracle_fingerprint,
     oracle_fresh_cuts,
     oracle_usable,
     probe_rows,
-    small_configs,
 )
 
 from policy.plan import fresh_cuts
-from policy.usable import BackendFacts, KeptRow, cut_fingerprint, is_usable, resume_row, warm_end_row
+from policy.usable import (
+    BackendFacts,
+    KeptRow,
+    cut_fingerprint,
+    is_usable,
+    resume_row,
+    warm_end_row,
+)
 
 NO_GRID = st.just(BackendFacts())
 GRIDS = st.builds(BackendFacts, invariant_rows=st.one_of(st.sampled_from([16, 32, 64]), st.integers(2, 100)))

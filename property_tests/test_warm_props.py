@@ -20,7 +20,14 @@ from policy_strategies import (
 from policy.config import PolicyConfig
 from policy.keep import PassKind, keep_rows
 from policy.prefix import Prompt
-from policy.warm import WarmDecision, WarmVerdict, can_adopt, decide_warm, finish_reason, is_quiet
+from policy.warm import (
+    WarmDecision,
+    WarmVerdict,
+    can_adopt,
+    decide_warm,
+    finish_reason,
+    is_quiet,
+)
 
 
 @st.composite

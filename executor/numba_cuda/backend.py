@@ -5,8 +5,9 @@ Numerics: weights bf16, residual stream fp32, every GEMM input bf16 and output f
 Prefill GEMMs run on cuBLASLt with a pinned row-invariant algorithm at every row count;
 decode GEMMs and the LM head on the row-invariant GEMV at every lane count. Every other
 kernel computes a row independently of the chunk or lane set, so prefill rows are
-chunk-invariant (tested on the GPU before `invariant_rows` is claimed). Wiring mirrors
-executor/reference/backend.py; the kernels live in their own modules here.
+chunk-invariant (`facts`). Wiring mirrors executor/reference/backend.py; the kernels live
+in their own modules here, the device weights in device_weights.py, CUDA graphs of the
+decode step in graphs.py.
 """
 
 from __future__ import annotations
@@ -17,63 +18,26 @@ from typing import Sequence
 import numpy as np
 
 from executor.config import FULL, Qwen35Config
-from executor.numba_cuda import attention, attention_prep, conv, delta_rule, elementwise, norms
+from executor.numba_cuda import attention, attention_prep, conv, delta_rule, device_weights, elementwise, norms
 from executor.numba_cuda.device import empty, to_device
+from executor.numba_cuda.device_weights import DeviceWeights
 from executor.numba_cuda.gemm import Gemm
 from executor.numba_cuda.gemv import gemv
 from executor.numba_cuda.state import DevicePayload, DeviceState, StatePool
-from executor.safetensors_file import f32_to_bf16
 from executor.weights import Weights, load_weights
+from policy.usable import BackendFacts
+
+INVARIANT_ROWS = 64
+"""The invariant grid this backend claims (DESIGN: invariant grid). Proven on the GPU by
+tests/executor/numba_cuda/test_gpu_backend.py::test_chunk_invariance_on_the_64_row_grid
+(cuts on multiples of 64, and an off-grid fresh cut kept, give every last-row logit and
+every state byte the same bits) and, for the GEMMs at real Qwen3.5 shapes, by the row
+sweep of bench/gpu_kernels.py (the pinned cuBLASLt algorithms give each row the same bits
+at every row count tried, 1 to 8192)."""
 
 
 def _i32(values) -> object:
     return to_device(np.asarray(values, dtype=np.int32))
-
-
-class _Weights:
-    """Device weights: bf16 matrices (fused where one GEMM reads one input), fp32 vectors."""
-
-    def __init__(self, weights: Weights) -> None:
-        c = weights.config
-
-        def bf16(*names: str):
-            parts = [self._bits(weights, n) for n in names]
-            return to_device(np.concatenate(parts) if len(parts) > 1 else parts[0])
-
-        f32 = lambda name: to_device(weights.float32(name).reshape(-1))  # noqa: E731
-        self.embed = bf16("embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else bf16("lm_head.weight")
-        self.norm = f32("norm.weight")
-        self.layers = []
-        for i, kind in enumerate(c.layer_types):
-            p = f"layers.{i}."
-            w = {"in_norm": f32(p + "input_layernorm.weight"), "post_norm": f32(p + "post_attention_layernorm.weight")}
-            w["gate_up"] = bf16(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            w["down"] = bf16(p + "mlp.down_proj.weight")
-            if kind == FULL:
-                a = p + "self_attn."
-                w["q_proj"] = bf16(a + "q_proj.weight")
-                w["kv_proj"] = bf16(a + "k_proj.weight", a + "v_proj.weight")
-                w["o_proj"] = bf16(a + "o_proj.weight")
-                w["q_norm"] = f32(a + "q_norm.weight")
-                w["k_norm"] = f32(a + "k_norm.weight")
-            else:
-                a = p + "linear_attn."
-                w["in_proj"] = bf16(a + "in_proj_qkv.weight", a + "in_proj_z.weight", a + "in_proj_b.weight",
-                                    a + "in_proj_a.weight")
-                w["out_proj"] = bf16(a + "out_proj.weight")
-                w["conv"] = to_device(weights.float32(a + "conv1d.weight")[:, 0, :])
-                w["a_log"] = f32(a + "A_log")
-                w["dt_bias"] = f32(a + "dt_bias")
-                w["norm"] = f32(a + "norm.weight")
-            self.layers.append(w)
-        self.freqs = to_device(attention_prep.inv_freq(c.rope_theta, c.rotary_dim))
-
-    @staticmethod
-    def _bits(weights: Weights, name: str) -> np.ndarray:
-        if weights.dtypes.get(name, weights.dtypes.get("embed_tokens.weight")) == "bfloat16" and name in weights.tensors:
-            return np.ascontiguousarray(weights.tensors[name], dtype=np.uint16)
-        return f32_to_bf16(weights.float32(name))
 
 
 class NumbaCudaBackend:
@@ -82,24 +46,44 @@ class NumbaCudaBackend:
     slots: streams that can be live at once; capacity_rows: rows a stream may hold.
     `prefill` takes an extra `tail_from` (policy/tail.py): the absolute first row of the
     last layer's tail, or None for the full last layer when logits are read.
+    `invariant_rows` / `facts`: the invariant grid, INVARIANT_ROWS (see its docstring
+    for the tests that prove it).
     """
 
-    invariant_rows = None
+    invariant_rows = INVARIANT_ROWS
 
     def __init__(self, weights: Weights, *, slots: int = 16, capacity_rows: int = 4096) -> None:
-        config = weights.config
+        self._setup(weights.config, slots, capacity_rows)
+        self.w = device_weights.from_checkpoint(weights)
+
+    @classmethod
+    def from_device_weights(cls, config: Qwen35Config, weights: DeviceWeights, *, slots: int = 16,
+                            capacity_rows: int = 4096) -> "NumbaCudaBackend":
+        """A backend over weights already on the device (device_weights.random for benchmarks)."""
+        backend = cls.__new__(cls)
+        backend._setup(config, slots, capacity_rows)
+        backend.w = weights
+        return backend
+
+    def _setup(self, config: Qwen35Config, slots: int, capacity_rows: int) -> None:
         if config.moe is not None:
             raise NotImplementedError("the numba-cuda backend runs dense Qwen3.5 only")
         if config.dtype != "bfloat16":
             raise ValueError(f"dtype {config.dtype!r}: the numba-cuda backend serves bf16 checkpoints")
         self.config: Qwen35Config = config
-        self.w = _Weights(weights)
         self.pool = StatePool(config, slots, capacity_rows)
         self.gemm = Gemm()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs) -> "NumbaCudaBackend":
         return cls(load_weights(model_dir), **kwargs)
+
+    @property
+    def facts(self) -> BackendFacts:
+        """What this backend has proven about its numerics: BackendFacts(invariant_rows=64),
+        proven by tests/executor/numba_cuda/test_gpu_backend.py::
+        test_chunk_invariance_on_the_64_row_grid (see INVARIANT_ROWS)."""
+        return BackendFacts(invariant_rows=self.invariant_rows)
 
     def new_state(self) -> DeviceState:
         return DeviceState(slot=self.pool.take())
@@ -112,73 +96,79 @@ class NumbaCudaBackend:
 
     # layers ---------------------------------------------------------------------------
 
-    def _linear_attention(self, i: int, li: int, h, mm, row_start, slots):
+    def _linear_attention(self, i: int, li: int, h, mm, row_start, slots, stream):
         c, w = self.config, self.w.layers[i]
         ch, vd, vh = c.conv_channels, c.linear_value_dim, c.linear_num_value_heads
-        proj = mm(h, w["in_proj"])  # [rows, ch + vd + 2 vh]: qkv | z | b | a
-        mixed = conv.causal_conv1d(proj[:, :ch], row_start, slots, w["conv"], self.pool.conv[li])
+        proj = mm(h, w["in_proj"], stream=stream)  # [rows, ch + vd + 2 vh]: qkv | z | b | a
+        mixed = conv.causal_conv1d(proj[:, :ch], row_start, slots, w["conv"], self.pool.conv[li], stream=stream)
         b = proj[:, ch + vd : ch + vd + vh]
         a = proj[:, ch + vd + vh :]
         qn, kn, g, beta = delta_rule.delta_prep(mixed, a, b, w["a_log"], w["dt_bias"], c.linear_num_key_heads,
-                                                c.linear_key_head_dim)
+                                                c.linear_key_head_dim, stream=stream)
         out = delta_rule.delta_recurrence(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, row_start, slots,
-                                          self.pool.recurrent[li])
-        gated = norms.gated_rms_norm(out, proj[:, ch : ch + vd], w["norm"], c.rms_norm_eps)
-        return mm(gated, w["out_proj"])
+                                          self.pool.recurrent[li], stream=stream)
+        gated = norms.gated_rms_norm(out, proj[:, ch : ch + vd], w["norm"], c.rms_norm_eps, stream=stream)
+        return mm(gated, w["out_proj"], stream=stream)
 
-    def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, decode: bool):
+    def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, decode: bool,
+                        stream):
         """K/V for every row; q, attention and o_proj for rows [first, rows) (None if empty)."""
         c, w = self.config, self.w.layers[i]
-        kv = mm(h, w["kv_proj"])
+        kv = mm(h, w["kv_proj"], stream=stream)
         kc, vc = self.pool.keys[fi], self.pool.values[fi]
-        attention_prep.kv_norm_rope_store(kv, w["k_norm"], self.w.freqs, positions, slots, c.rms_norm_eps, kc, vc)
+        attention_prep.kv_norm_rope_store(kv, w["k_norm"], self.w.freqs, positions, slots, c.rms_norm_eps, kc, vc,
+                                          stream=stream)
         rows = h.shape[0]
         if first == rows:
             return None
         if first:
-            h = _copy(h[first:])
+            h = _copy(h[first:], stream)
             positions, slots = positions[first:], slots[first:]
-        qg = mm(h, w["q_proj"])
+        qg = mm(h, w["q_proj"], stream=stream)
         q = attention_prep.q_norm_rope(qg, w["q_norm"], self.w.freqs, positions, c.rms_norm_eps,
-                                       c.num_attention_heads, c.head_dim)
+                                       c.num_attention_heads, c.head_dim, stream=stream)
         tile, split = (1, attention.DECODE_SPLIT_ROWS) if decode else (attention.TILE_ROWS, attention.PREFILL_SPLIT_ROWS)
-        out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, tile, split)
-        return mm(out, w["o_proj"])
+        out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, tile, split, stream=stream)
+        return mm(out, w["o_proj"], stream=stream)
 
     def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, decode: bool, first_tail: int,
-                 want_logits: bool):
-        """Run the rows through every layer; returns host logits [lanes or 1, vocab] or None.
+                 want_logits: bool, stream=0):
+        """Run the rows through every layer; returns device logits f32 [lanes or 1, vocab]
+        or None.
 
         ids, positions, row_slots: i32 device [rows]; lane_slots: i32 [lanes]; row_start:
-        i32 [lanes + 1]; first_tail: the last layer's first tail row (relative)."""
+        i32 [lanes + 1]; max_pos: at least the largest position (sizes the decode
+        attention's split grid; a larger value changes no bit); first_tail: the last
+        layer's first tail row (relative). Every launch and buffer is on `stream`."""
         c = self.config
         mm = gemv if decode else self.gemm.matmul
-        x = elementwise.embed(ids, self.w.embed)
+        x = elementwise.embed(ids, self.w.embed, stream=stream)
         delta = None
         lin = full = 0
         last = c.num_hidden_layers - 1
         for i, kind in enumerate(c.layer_types):
             w = self.w.layers[i]
-            h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta)
+            h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta, stream=stream)
             first = first_tail if i == last else 0
             if kind == FULL:
-                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, decode)
+                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, decode, stream)
                 full += 1
             else:
-                y = self._linear_attention(i, lin, h, mm, row_start, lane_slots)
+                y = self._linear_attention(i, lin, h, mm, row_start, lane_slots, stream)
                 lin += 1
             if y is None:
                 return None
             if first:
                 x = x[first:]
-            h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y)
-            delta = mm(elementwise.swiglu(mm(h, w["gate_up"])), w["down"])
+            h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y, stream=stream)
+            delta = mm(elementwise.swiglu(mm(h, w["gate_up"], stream=stream), stream=stream), w["down"],
+                       stream=stream)
         if not want_logits:
             return None
         if not decode:
             x, delta = x[x.shape[0] - 1 :], delta[delta.shape[0] - 1 :]
-        h = norms.add_rms_norm(x, self.w.norm, c.rms_norm_eps, delta=delta)
-        return gemv(h, self.w.lm_head).copy_to_host()
+        h = norms.add_rms_norm(x, self.w.norm, c.rms_norm_eps, delta=delta, stream=stream)
+        return gemv(h, self.w.lm_head, stream=stream)
 
     # Backend protocol -----------------------------------------------------------------
 
@@ -210,13 +200,20 @@ class NumbaCudaBackend:
             _i32(ids), _i32(np.arange(start, end)), _i32(np.full(n, state.slot)), _i32([state.slot]), _i32([0, n]),
             end - 1, False, tail_from - start, want_logits,
         )
+        logits = None if logits is None else logits.copy_to_host()
         state.rows = end
         state.logits = None if logits is None else logits[0]
         return None if logits is None else logits[0].copy()
 
-    def decode(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> np.ndarray:
-        """See `Backend.decode`. Every lane runs the same per-row kernels; a lane's bits
-        do not depend on the other lanes."""
+    def prefill_step(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, stream=0):
+        """Launch a whole prefill chunk (no tail) from device inputs, as `prefill` does, and
+        return the device logits f32 [1, vocab] of its last row; no checks, and the
+        `DeviceState` is not advanced (benchmarks and profiles time this)."""
+        return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, False, 0, True, stream)
+
+    def decode_inputs(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """Check a decode round's arguments; returns host i32 (token ids, positions, slots),
+        one entry per lane. Raises ValueError naming the argument."""
         if len(states) != len(token_ids):
             raise ValueError(f"token_ids has {len(token_ids)} entries for {len(states)} states")
         if len({s.slot for s in states}) != len(states) or any(s.released for s in states):
@@ -226,16 +223,30 @@ class NumbaCudaBackend:
                 raise ValueError(f"token_ids[{lane}] = {token} is outside [0, {self.config.vocab_size})")
             if state.rows >= self.pool.capacity_rows:
                 raise ValueError(f"states[{lane}] is full ({state.rows} rows)")
-        lanes = len(states)
-        positions = [s.rows for s in states]
-        slots = [s.slot for s in states]
-        logits = self._forward(
-            _i32(token_ids), _i32(positions), _i32(slots), _i32(slots), _i32(range(lanes + 1)), max(positions), True, 0,
-            True,
-        )
+        as_i32 = lambda values: np.asarray(values, dtype=np.int32)  # noqa: E731
+        return as_i32(token_ids), as_i32([s.rows for s in states]), as_i32([s.slot for s in states])
+
+    def decode_step(self, ids, positions, slots, row_start, max_pos: int, stream=0):
+        """Launch one decode round on `stream` from device inputs (i32 [lanes]: token ids,
+        positions, slots; row_start i32 [lanes + 1] = 0..lanes); returns device logits
+        f32 [lanes, vocab]. Advances the pool's states; the caller advances `DeviceState`s."""
+        return self._forward(ids, positions, slots, slots, row_start, max_pos, True, 0, True, stream)
+
+    @staticmethod
+    def advance(states: Sequence[DeviceState], logits: np.ndarray) -> None:
+        """Record a finished decode round in the lanes' states."""
         for lane, state in enumerate(states):
             state.rows += 1
             state.logits = logits[lane].copy()
+
+    def decode(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> np.ndarray:
+        """See `Backend.decode`. Every lane runs the same per-row kernels; a lane's bits
+        do not depend on the other lanes (graphs.DecodeGraphs replays the same step)."""
+        ids, positions, slots = self.decode_inputs(states, token_ids)
+        lanes = len(states)
+        logits = self.decode_step(_i32(ids), _i32(positions), _i32(slots), _i32(range(lanes + 1)),
+                                  int(positions.max()), 0).copy_to_host()
+        self.advance(states, logits)
         return logits
 
     def snapshot(self, state: DeviceState) -> DevicePayload:
@@ -259,8 +270,8 @@ class NumbaCudaBackend:
         return self.config.state_bytes(state.rows)
 
 
-def _copy(array):
+def _copy(array, stream=0):
     """A fresh (256-byte aligned, contiguous) copy of a device array, for cuBLAS inputs."""
-    out = empty(tuple(array.shape), array.dtype)
-    out.copy_to_device(array)
+    out = empty(tuple(array.shape), array.dtype, stream)
+    out.copy_to_device(array, stream=stream)
     return out

@@ -1,9 +1,10 @@
 """The one device-allocation helper, bf16 bit conversions on the device, and launch sizes.
 
-Every buffer a kernel writes is allocated by `empty` (or `empty_like`), so tests can poison
-new buffers (`poisoned()`: NaN for floats, a bf16 NaN pattern for uint16, -1 for ints) and
-catch outputs a kernel never wrote. bf16 values live in uint16 arrays (their bit pattern),
-as in `executor/safetensors_file.py`. Nothing here computes model math.
+Every buffer a kernel writes is allocated by `empty`, so tests can poison new buffers
+(`poisoned()`: NaN for floats, a bf16 NaN pattern for uint16, -1 for ints) and catch
+outputs a kernel never wrote, and so a CUDA graph capture can replay one step's buffers
+(`StepBuffers`). bf16 values live in uint16 arrays (their bit pattern), as in
+`executor/safetensors_file.py`. Nothing here computes model math.
 """
 
 from __future__ import annotations
@@ -47,13 +48,67 @@ def _poison_value(dtype: np.dtype):
     raise ValueError(f"no poison value for dtype {dtype}")
 
 
+class StepBuffers:
+    """The buffers `empty` hands out during one step, in order: inside `recording()` each
+    new buffer is kept; inside `replaying()` the kept buffers come back in the same order
+    (same shapes and dtypes, else RuntimeError), so a second run of the same step (a CUDA
+    graph capture) allocates nothing and the buffers outlive it."""
+
+    def __init__(self) -> None:
+        self.buffers: list = []
+        self._next = 0
+
+    @contextlib.contextmanager
+    def recording(self):
+        token = _step.set((self, False))
+        try:
+            yield self
+        finally:
+            _step.reset(token)
+
+    @contextlib.contextmanager
+    def replaying(self):
+        self._next = 0
+        token = _step.set((self, True))
+        try:
+            yield self
+        finally:
+            _step.reset(token)
+        if self._next != len(self.buffers):
+            raise RuntimeError(f"the replayed step took {self._next} of {len(self.buffers)} recorded buffers")
+
+    def _take(self, shape: tuple, dtype: np.dtype):
+        if self._next >= len(self.buffers):
+            raise RuntimeError("the replayed step allocates more buffers than the recorded one")
+        array = self.buffers[self._next]
+        if tuple(array.shape) != shape or array.dtype != dtype:
+            raise RuntimeError(f"replayed buffer {self._next}: {shape} {dtype} != recorded {array.shape} {array.dtype}")
+        self._next += 1
+        return array
+
+
+_step: contextvars.ContextVar[tuple[StepBuffers, bool] | None] = contextvars.ContextVar("warmstate_step", default=None)
+
+
 def empty(shape, dtype, stream=0):
-    """A new device array (uninitialised; poisoned inside `poisoned()`)."""
+    """A new device array (uninitialised; poisoned inside `poisoned()`; the recorded one
+    inside `StepBuffers.replaying()`)."""
     dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in (shape if isinstance(shape, tuple) else (shape,)))
+    step = _step.get()
+    if step is not None and step[1]:
+        return step[0]._take(shape, dtype)
     array = cuda.device_array(shape, dtype=dtype, stream=stream)
     if _poison.get() and array.size:
         array.copy_to_device(np.full(array.shape, _poison_value(dtype), dtype=dtype), stream=stream)
+    if step is not None:
+        step[0].buffers.append(array)
     return array
+
+
+def device_pointer(array) -> int:
+    """The device address of an array's first element."""
+    return int(array.__cuda_array_interface__["data"][0])
 
 
 def zeros(shape, dtype, stream=0):
@@ -145,3 +200,82 @@ def device_name() -> str:
     """Name of the current CUDA device."""
     name = cuda.get_current_device().name
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+@cuda.jit
+def _spin_kernel(microseconds):
+    for _ in range(microseconds):
+        cuda.nanosleep(np.uint32(1000))
+
+
+def spin(ms: float, stream=0) -> None:
+    """Keep the device busy for about `ms` milliseconds (one sleeping thread), so that work
+    the host enqueues behind it runs back to back and events time the device alone."""
+    _spin_kernel[1, 1, stream](int(ms * 1000))
+
+
+def device_seconds(fn, repeat: int = 20, spin_ms: float = 50.0) -> float:
+    """Device seconds per call of `fn()` (which launches on the default stream): one
+    warm-up, then `repeat` calls enqueued behind `spin` and timed between two events,
+    so host launch costs are not counted."""
+    fn()
+    cuda.synchronize()
+    start, stop = cuda.event(), cuda.event()
+    spin(spin_ms)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cuda.event_elapsed_time(start, stop) / 1e3 / repeat
+
+
+class CallTimer:
+    """Device time of wrapped calls, by label: an event pair on the default stream around
+    each call (run the timed work behind `spin` so launches queue up and the pairs time
+    the kernels, not the host)."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[str, object, object]] = []
+
+    def wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            start, stop = cuda.event(), cuda.event()
+            start.record()
+            result = fn(*args, **kwargs)
+            stop.record()
+            self._records.append((label, start, stop))
+            return result
+
+        return timed
+
+    def totals(self) -> dict[str, tuple[float, int]]:
+        """{label: (device seconds, calls)}, after waiting for the device."""
+        cuda.synchronize()
+        out: dict[str, tuple[float, int]] = {}
+        for label, start, stop in self._records:
+            seconds, calls = out.get(label, (0.0, 0))
+            out[label] = (seconds + cuda.event_elapsed_time(start, stop) / 1e3, calls + 1)
+        return out
+
+
+def release_memory() -> None:
+    """Free device arrays that are no longer referenced now (numba defers frees)."""
+    cuda.synchronize()
+    cuda.current_context().deallocations.clear()
+
+
+def new_event():
+    """A CUDA event (for benchmarks' device timing)."""
+    return cuda.event()
+
+
+def new_stream():
+    """A new CUDA stream."""
+    return cuda.stream()
+
+
+def elapsed_seconds(start, stop) -> float:
+    """Seconds between two recorded events (waits for `stop`)."""
+    stop.synchronize()
+    return cuda.event_elapsed_time(start, stop) / 1e3

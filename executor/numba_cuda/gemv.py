@@ -1,71 +1,197 @@
 """Row-invariant bf16 GEMV-style product for few rows (decode lanes, the LM head row).
 
-out[r, n] = sum_k x[r, k] * w[n, k] with bf16 inputs and fp32 accumulation. Each row is
-reduced in the same fixed order whatever the number of rows (one block per output column
-and group of up to 16 rows; per-thread partial sums over a strided k range, then a fixed
-shared-memory tree), so a lane's bits do not depend on the other lanes. Twin: ops.linear.
+out[r, n] = sum_k x[r, k] * w[n, k] with bf16 inputs and fp32 accumulation. One warp owns
+one output column: lane l reads the 16-byte chunks (8 bf16) l, l + 32, l + 64, ... of the
+weight row and of each x row (coalesced: 512 bytes per warp load, four loads in flight),
+and keeps one fp32 sum per x row, advanced by explicit fused multiply-adds in ascending k;
+the 32 lane sums then meet in a fixed shared-memory tree. A row's operations never depend
+on how many rows share the launch or on its slot among them, so a lane's bits do not
+depend on the other lanes (concurrent == solo). Up to GROUP_ROWS rows share one pass over
+the weights. Twin: ops.linear.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import THREADS, bf16_to_f32, check, empty
+from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, device_pointer, empty
 
+WARP = 32
+WARPS = THREADS // WARP
+"""Output columns per block (one per warp)."""
+CHUNK = 8
+"""bf16 values per 16-byte load; K must be a multiple of this."""
 GROUP_ROWS = 16
-"""Rows sharing one pass over the weights; larger row counts run in groups of this."""
-
+"""Rows sharing one pass over the weights; more rows run in groups of this."""
+_GROUPS = (1, 2, 4, 8, 16)
 _F32 = np.float32
-_MASK = np.uint64(0xFFFF)
+
+if IS_SIMULATOR:
+
+    def load16(array, i):
+        """The four uint32 words array[i : i + 4] (one 16-byte load on the GPU)."""
+        return array[i], array[i + 1], array[i + 2], array[i + 3]
+
+    def _lo(word):
+        return np.uint32(np.uint32(word) << np.uint32(16)).view(np.float32)
+
+    def _hi(word):
+        return np.uint32(np.uint32(word) & np.uint32(0xFFFF0000)).view(np.float32)
+
+else:
+    import numba
+    from llvmlite import ir
+    from numba.cuda import libdevice
+    from numba.cuda import types as _cuda_types
+    from numba.cuda.extending import intrinsic
+
+    _types = _cuda_types if hasattr(_cuda_types, "UniTuple") else numba.types
+
+    @intrinsic
+    def load16(typingctx, array, index):
+        """The four uint32 words array[i : i + 4] of a 1-D uint32 array in one
+        ld.global.nc.v4.u32 (the address must be 16-byte aligned; the data read-only
+        for the kernel's lifetime)."""
+        if getattr(array, "ndim", None) != 1 or str(getattr(array, "dtype", "")) != "uint32":
+            return None
+        sig = _types.UniTuple(_types.uint32, 4)(array, index)
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            ptr = builder.gep(data, [args[1]])
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32, i32, i32]), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            words = builder.call(asm, [ptr])
+            return context.make_tuple(builder, signature.return_type, [builder.extract_value(words, i) for i in range(4)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def _lo(word):
+        return libdevice.int_as_float(np.int32(word << np.uint32(16)))
+
+    @cuda.jit(device=True, inline=True)
+    def _hi(word):
+        return libdevice.int_as_float(np.int32(word & np.uint32(0xFFFF0000)))
 
 
 @cuda.jit(device=True, inline=True)
-def _dot4(w, x):
-    """Sum of the products of the four bf16 pairs packed in two uint64 words."""
-    s = bf16_to_f32(w & _MASK) * bf16_to_f32(x & _MASK)
-    s += bf16_to_f32((w >> np.uint64(16)) & _MASK) * bf16_to_f32((x >> np.uint64(16)) & _MASK)
-    s += bf16_to_f32((w >> np.uint64(32)) & _MASK) * bf16_to_f32((x >> np.uint64(32)) & _MASK)
-    s += bf16_to_f32((w >> np.uint64(48)) & _MASK) * bf16_to_f32((x >> np.uint64(48)) & _MASK)
-    return s
+def load8x2(array, i):
+    """The same four uint32 words as `load16`, from a 1-D uint64 view in two 8-byte loads
+    (the fallback when this numba-cuda cannot lower `load16`; identical bits)."""
+    a = array[i >> 1]
+    b = array[(i >> 1) + 1]
+    low = np.uint64(0xFFFFFFFF)
+    return np.uint32(a & low), np.uint32(a >> np.uint64(32)), np.uint32(b & low), np.uint32(b >> np.uint64(32))
 
 
-@cuda.jit
-def _gemv_kernel(x4, w4, out):
-    # x4: [rows, K / 4] u64 (bf16 quads); w4: [N, K / 4] u64; out: [rows, N] f32
-    n = cuda.blockIdx.x
-    r0 = cuda.blockIdx.y * GROUP_ROWS
-    t = cuda.threadIdx.x
-    nr = min(GROUP_ROWS, x4.shape[0] - r0)
-    words = w4.shape[1]
-    acc = cuda.local.array(GROUP_ROWS, np.float32)
-    for r in range(GROUP_ROWS):
-        acc[r] = _F32(0.0)
-    for j in range(t, words, THREADS):
-        w = w4[n, j]
-        for r in range(GROUP_ROWS):
-            if r < nr:
-                acc[r] += _dot4(w, x4[r0 + r, j])
-    buf = cuda.shared.array((GROUP_ROWS, THREADS), np.float32)
-    for r in range(GROUP_ROWS):
-        buf[r, t] = acc[r]
-    cuda.syncthreads()
-    step = THREADS // 2
-    while step > 0:
-        if t < step:
-            for r in range(GROUP_ROWS):
-                buf[r, t] += buf[r, t + step]
+@cuda.jit(device=True, inline=True)
+def _dot8(w, x, acc):
+    """acc advanced by the eight bf16 products of two 16-byte chunks, in ascending k."""
+    acc = cuda.fma(_lo(w[0]), _lo(x[0]), acc)
+    acc = cuda.fma(_hi(w[0]), _hi(x[0]), acc)
+    acc = cuda.fma(_lo(w[1]), _lo(x[1]), acc)
+    acc = cuda.fma(_hi(w[1]), _hi(x[1]), acc)
+    acc = cuda.fma(_lo(w[2]), _lo(x[2]), acc)
+    acc = cuda.fma(_hi(w[2]), _hi(x[2]), acc)
+    acc = cuda.fma(_lo(w[3]), _lo(x[3]), acc)
+    return cuda.fma(_hi(w[3]), _hi(x[3]), acc)
+
+
+def _make_kernel(group_rows: int, load16):
+    @cuda.jit
+    def kernel(x32, w32, chunks, out):
+        # x32: [rows * K / 2] u32 (bf16 pairs, row-major), or its u64 view for load8x2;
+        # w32: [N * K / 2] u32 likewise; indices count u32 words. chunks: K / 8; out: [rows, N] f32
+        t = cuda.threadIdx.x
+        lane = t % WARP
+        warp = t // WARP
+        n = cuda.blockIdx.x * WARPS + warp
+        r0 = cuda.blockIdx.y * group_rows
+        nr = out.shape[0] - r0
+        if nr > group_rows:
+            nr = group_rows
+        row_words = chunks * 4
+        acc = cuda.local.array(group_rows, np.float32)
+        for r in range(group_rows):
+            acc[r] = _F32(0.0)
+        if n < out.shape[1]:
+            wb = n * row_words
+            xb = r0 * row_words
+            j = lane
+            while j + 3 * WARP < chunks:
+                a = load16(w32, wb + 4 * j)
+                b = load16(w32, wb + 4 * (j + WARP))
+                c = load16(w32, wb + 4 * (j + 2 * WARP))
+                d = load16(w32, wb + 4 * (j + 3 * WARP))
+                for r in range(group_rows):
+                    if r < nr:
+                        xr = xb + r * row_words + 4 * j
+                        s = _dot8(a, load16(x32, xr), acc[r])
+                        s = _dot8(b, load16(x32, xr + 4 * WARP), s)
+                        s = _dot8(c, load16(x32, xr + 8 * WARP), s)
+                        acc[r] = _dot8(d, load16(x32, xr + 12 * WARP), s)
+                j += 4 * WARP
+            while j < chunks:
+                a = load16(w32, wb + 4 * j)
+                for r in range(group_rows):
+                    if r < nr:
+                        acc[r] = _dot8(a, load16(x32, xb + r * row_words + 4 * j), acc[r])
+                j += WARP
+        buf = cuda.shared.array((WARPS, group_rows, WARP), np.float32)
+        for r in range(group_rows):
+            buf[warp, r, lane] = acc[r]
         cuda.syncthreads()
-        step //= 2
-    if t < nr:
-        out[r0 + t, n] = buf[t, 0]
+        half = WARP // 2
+        while half > 0:
+            if lane < half:
+                for r in range(group_rows):
+                    buf[warp, r, lane] += buf[warp, r, lane + half]
+            cuda.syncthreads()
+            half //= 2
+        if n < out.shape[1] and lane < nr:
+            out[r0 + lane, n] = buf[warp, lane, 0]
+
+    return kernel
+
+
+def _vector_loads_lower() -> bool:
+    """Whether this numba-cuda compiles `load16` (checked once at import, no launch)."""
+    if IS_SIMULATOR:
+        return True
+
+    def probe(a, out):
+        out[0] = load16(a, 0)[1]
+
+    try:
+        cuda.compile_ptx(probe, (_types.uint32[::1], _types.uint32[::1]), cc=(9, 0))
+    except Exception as exc:  # noqa: BLE001 - any typing or lowering failure selects the fallback
+        warnings.warn(f"16-byte GEMV loads unavailable ({type(exc).__name__}: {exc}); using 2 x 8-byte loads")
+        return False
+    return True
+
+
+VECTOR_LOADS = _vector_loads_lower()
+"""True when the GEMV reads with 16-byte loads, False on the 2 x 8-byte fallback."""
+_WORD = np.uint32 if VECTOR_LOADS else np.uint64
+_KERNELS = {g: _make_kernel(g, load16 if VECTOR_LOADS else load8x2) for g in _GROUPS}
+
+
+def group_rows_for(rows: int) -> int:
+    """The row-group size a launch of `rows` rows uses (a power of two up to GROUP_ROWS)."""
+    return next(g for g in _GROUPS if g >= min(rows, GROUP_ROWS))
 
 
 def gemv(x, weight, out=None, stream=0):
     """out = float32(x @ weight.T), each row reduced in a row-count-independent order.
 
-    x: uint16 (bf16) device [rows, K], contiguous; weight: uint16 (bf16) [N, K],
-    contiguous; K % 4 == 0. Returns f32 [rows, N]. Twin: ops.linear on the float32 values.
+    x: uint16 (bf16) device [rows, K]; weight: uint16 (bf16) [N, K]; both C-contiguous
+    and 16-byte aligned (fresh allocations are); K % 8 == 0. Returns f32 [rows, N].
+    Raises ValueError on other shapes or layouts. Twin: ops.linear on the float32 values.
     """
     check("x", x, np.uint16, 2)
     check("weight", weight, np.uint16, 2)
@@ -73,14 +199,17 @@ def gemv(x, weight, out=None, stream=0):
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight has {weight.shape[1]} columns, x has {k}")
-    if k % 4:
-        raise ValueError(f"K = {k} must be a multiple of 4")
+    if k % CHUNK:
+        raise ValueError(f"K = {k} must be a multiple of {CHUNK}")
     if not (x.is_c_contiguous() and weight.is_c_contiguous()):
         raise ValueError("x and weight must be C-contiguous")
+    if not IS_SIMULATOR and (device_pointer(x) % 16 or device_pointer(weight) % 16):
+        raise ValueError("x and weight must start on a 16-byte boundary")
     out = empty((rows, n), np.float32, stream) if out is None else out
-    if rows:
-        x4 = x.view(np.uint64)
-        w4 = weight.view(np.uint64)
-        grid = (n, (rows + GROUP_ROWS - 1) // GROUP_ROWS)
-        _gemv_kernel[grid, THREADS, stream](x4, w4, out)
+    if rows and n:
+        group = group_rows_for(rows)
+        x32 = x.reshape(rows * k).view(_WORD)
+        w32 = weight.reshape(n * k).view(_WORD)
+        grid = ((n + WARPS - 1) // WARPS, (rows + group - 1) // group)
+        _KERNELS[group][grid, THREADS, stream](x32, w32, k // CHUNK, out)
     return out

@@ -1,5 +1,5 @@
-"""The README "Serve" section (`executor/SERVE.md`): its curl and `openai` examples run
-against a live server, as written (only the port differs)."""
+"""The README's "Serve" section: its curl and `openai` examples run against a live server,
+as written (only the port differs)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,18 @@ import pytest
 
 from tests.executor.serve_support import ROOT, ServerProcess
 
-SERVE_MD = ROOT / "executor" / "SERVE.md"
+README = ROOT / "README.md"
+
+
+def _section() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("\n## Serve\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", SERVE_MD.read_text(encoding="utf-8"), re.DOTALL)
+    return re.findall(rf"```{lang}\n(.*?)```", _section(), re.DOTALL)
 
 
 @pytest.fixture(scope="module")
@@ -56,5 +63,5 @@ def test_openai_example(server, tmp_path):
 def test_flag_table_matches_the_cli():
     help_text = subprocess.run([sys.executable, "-m", "executor.serve", "--help"], capture_output=True, text=True,
                                cwd=ROOT, check=True).stdout
-    for flag in re.findall(r"`(--[a-z-]+)", SERVE_MD.read_text(encoding="utf-8")):
+    for flag in re.findall(r"`(--[a-z-]+)", _section()):
         assert flag in help_text, flag

@@ -6,7 +6,14 @@ import pytest
 
 from policy.config import PolicyConfig
 from policy.plan import fresh_cuts
-from policy.usable import BackendFacts, KeptRow, cut_fingerprint, is_usable, resume_row, warm_end_row
+from policy.usable import (
+    BackendFacts,
+    KeptRow,
+    cut_fingerprint,
+    is_usable,
+    resume_row,
+    warm_end_row,
+)
 
 DEFAULT = PolicyConfig()
 NO_STARTS = PolicyConfig(request_starts=False)

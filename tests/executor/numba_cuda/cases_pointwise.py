@@ -62,17 +62,25 @@ def test_swiglu():
     assert_close("swiglu", ref, as_f32(out), BF16_TOL, rel=True)
 
 
-@pytest.mark.parametrize("rows", [1, 17])
-def test_gemv_matches_linear_and_is_row_invariant(rows):
+@pytest.mark.parametrize("k", [64, 1600], ids=["k64", "k1600-unrolled"])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_gemv_matches_linear_and_is_row_invariant(rows, k):
+    """Each row's bits equal its bits computed alone (another row group and slot)."""
     r = rng()
-    x = bf16(r.normal(size=(rows, 64)))
-    w = bf16(r.normal(size=(5, 64)) / 8)
+    x = bf16(r.normal(size=(rows, k)))
+    w = bf16(r.normal(size=(5, k)) / 8)
     dw = to_device(w)
     with poisoned():
         out = host(gemv.gemv(to_device(x), dw))
-        alone = host(gemv.gemv(to_device(x[rows - 1 :]), dw))
+        for row in sorted({0, rows // 2, rows - 1}):
+            alone = host(gemv.gemv(to_device(x[row : row + 1]), dw))
+            np.testing.assert_array_equal(alone[0], out[row])
     assert_close("gemv", ops.linear(as_f32(x), as_f32(w)), out, 1e-5, rel=True)
-    np.testing.assert_array_equal(alone[0], out[rows - 1])
+
+
+def test_gemv_rejects_k_off_the_16_byte_chunk():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemv.gemv(to_device(bf16(np.ones((1, 12)))), to_device(bf16(np.ones((3, 12)))))
 
 
 def test_q_norm_rope():

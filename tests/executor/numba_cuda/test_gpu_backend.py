@@ -1,7 +1,8 @@
 """The numba-cuda backend on a real GPU: logits against the reference backend, and the
 bit-exact contracts (resumed == fresh, concurrent == solo, tail == full, chunk
-invariance on the 64-row grid), each with a planted break that must turn it red.
-Marked `cuda`; skips cleanly without an NVIDIA GPU and numba-cuda + nvmath-python.
+invariance on the 64-row grid, CUDA-graph decode == eager decode), each with a planted
+break that must turn it red. Marked `cuda`; skips cleanly without an NVIDIA GPU and
+numba-cuda + nvmath-python.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ pytest.importorskip("nvmath")
 from executor.config import FULL, LINEAR  # noqa: E402
 from executor.model import random_checkpoint  # noqa: E402
 from executor.numba_cuda import backend as nb_backend  # noqa: E402
-from executor.numba_cuda.backend import NumbaCudaBackend  # noqa: E402
+from executor.numba_cuda.backend import INVARIANT_ROWS, NumbaCudaBackend  # noqa: E402
+from executor.numba_cuda.graphs import DecodeGraphs  # noqa: E402
 from executor.reference.backend import ReferenceBackend  # noqa: E402
 from executor.weights import load_weights  # noqa: E402
 from policy.shape import ModelShape, state_bytes  # noqa: E402
+from policy.usable import BackendFacts  # noqa: E402
 from tests.executor.qwen_support import small_config  # noqa: E402
 
 CONFIGS = {
@@ -213,7 +216,10 @@ def test_resumed_catches_a_planted_break(models, monkeypatch):
     assert not _resumed_matches_fresh(gpu, ids, 100)
 
 
-def _decode_lanes(gpu, prompts, lanes_at_once):
+def _decode_lanes(gpu, prompts, lanes_at_once, decode=None, with_states=False):
+    """Logits [3 steps, lanes, vocab] of 3 decode rounds after prefilling each prompt (and,
+    with_states, every lane's packed state bytes after them)."""
+    decode = decode or gpu.decode
     states = []
     for ids in prompts:
         s = gpu.new_state()
@@ -224,11 +230,12 @@ def _decode_lanes(gpu, prompts, lanes_at_once):
         tokens = [(7 * lane + step) % gpu.config.vocab_size for lane in range(len(states))]
         rows = []
         for g in range(0, len(states), lanes_at_once):
-            rows.append(gpu.decode(states[g : g + lanes_at_once], tokens[g : g + lanes_at_once]))
+            rows.append(decode(states[g : g + lanes_at_once], tokens[g : g + lanes_at_once]))
         out.append(np.concatenate(rows))
+    packed = [gpu.snapshot(s).data.copy_to_host() for s in states] if with_states else None
     for s in states:
         gpu.release(s)
-    return np.stack(out)
+    return (np.stack(out), packed) if with_states else np.stack(out)
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 7, 16])
@@ -253,3 +260,38 @@ def test_concurrent_catches_a_planted_break(models, monkeypatch):
 
     monkeypatch.setattr(nb_backend, "gemv", batched_to_cublas)
     assert not np.array_equal(_decode_lanes(gpu, prompts, 4), solo)
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 16])
+def test_decode_graphs_equal_eager(models, lanes):
+    """Replayed CUDA graphs give the eager decode's logits and states bit for bit."""
+    _, gpu = models
+    prompts = [_prompt(gpu.config, 20 + 37 * i, 300 + i) for i in range(lanes)]
+    eager, eager_states = _decode_lanes(gpu, prompts, lanes, with_states=True)
+    graphs = DecodeGraphs(gpu)
+    try:
+        replayed, replayed_states = _decode_lanes(gpu, prompts, lanes, decode=graphs.decode, with_states=True)
+    finally:
+        graphs.close()
+    np.testing.assert_array_equal(eager, replayed)
+    assert _same(eager_states, replayed_states)
+
+
+def test_decode_graphs_catch_a_planted_break(models, monkeypatch):
+    """Planted: the capture's recording run is not undone, so the first round is applied twice."""
+    _, gpu = models
+    prompts = [_prompt(gpu.config, 30 + 11 * i, 400 + i) for i in range(2)]
+    eager = _decode_lanes(gpu, prompts, 2)
+    monkeypatch.setattr(gpu.pool, "unpack", lambda data, slot, rows: None)
+    graphs = DecodeGraphs(gpu)
+    try:
+        assert not np.array_equal(eager, _decode_lanes(gpu, prompts, 2, decode=graphs.decode))
+    finally:
+        graphs.close()
+
+
+def test_facts_claim_the_grid_these_tests_prove(models):
+    _, gpu = models
+    assert INVARIANT_ROWS == 64
+    assert gpu.facts == BackendFacts(invariant_rows=64)
+    assert "test_chunk_invariance_on_the_64_row_grid" in NumbaCudaBackend.facts.__doc__

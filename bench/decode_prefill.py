@@ -1,0 +1,476 @@
+"""End-to-end decode and prefill speed of the numba-cuda backend at real Qwen3.5 shapes,
+against rooflines measured on the same GPU and against transformers' Qwen3_5ForCausalLM
+(torch bf16, sdpa) holding the very same weights.
+
+Weights are random (seeded) and made on the GPU at each preset's shapes; the transformers
+model gets zero-copy views of them, so both run the same numbers and their last-row
+logits are compared. Decode: `lanes` streams at a context of `ctx` rows (K/V rows and
+recurrent states filled with random values: no prefill needed), eager and replayed as
+CUDA graphs; tokens/s against the roofline lanes / (weight bytes per step / copy
+bandwidth), and against a fuller floor that adds the K/V rows and recurrent states a step
+must read. Prefill: one chunk of `rows` rows from an empty state; TTFT (wall, logits on
+the host) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
+measured GEMM rate). Per-kernel device times (launches queued behind a spin kernel, events
+around each call) say where the time goes. One file with the peer (~400 lines): the two
+sides share the weights, the rooflines and the table.
+Usage (GPU machine): python -m bench.decode_prefill [--presets a,b] [--out DIR] [--no-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from executor.config import FULL, Qwen35Config, to_hf_dict
+from executor.numba_cuda import backend as nb_backend
+from executor.numba_cuda import device_weights
+from executor.numba_cuda.backend import NumbaCudaBackend
+from executor.numba_cuda.device import (CallTimer, device_name, elapsed_seconds, new_event, release_memory, spin,
+                                        to_device)
+from executor.numba_cuda.graphs import DecodeGraphs
+from executor.presets import preset
+
+
+@attrs.frozen
+class BenchConfig:
+    """What to measure. long_prefill / profile entries are 'preset:rows' / 'preset'."""
+
+    presets: tuple[str, ...] = ("qwen3.5-2b", "qwen3.5-9b", "qwen3.5-27b")
+    lanes: tuple[int, ...] = (1, 4, 16)
+    contexts: tuple[int, ...] = (4096, 32768)
+    prefill_rows: tuple[int, ...] = (8192,)
+    long_prefill: tuple[str, ...] = ("qwen3.5-9b:32768",)
+    profile: tuple[str, ...] = ("qwen3.5-27b", "qwen3.5-9b")
+    eager_steps: int = 4
+    graph_steps: int = 8
+    peer_steps: int = 5
+    check_rows: int = 512
+    seed: int = 0
+    peer: bool = True
+    commit: str = ""
+
+
+# rooflines --------------------------------------------------------------------------------
+
+
+def ceilings() -> dict:
+    """Copy bandwidth (bytes read + written, GB/s) and bf16 GEMM rate (8192^3, TFLOP/s) on
+    random data, through torch: means of 10 timed runs after warm-up."""
+    import torch
+
+    def timed(fn, repeat=10):
+        fn()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3 / repeat
+
+    n = 1 << 31
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    b = torch.empty_like(a)
+    copy = 2 * 2 * n / timed(lambda: b.copy_(a)) / 1e9
+    del a, b
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm = 2 * 8192**3 / timed(lambda: x @ y) / 1e12
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_gbps": round(copy, 1), "bf16_tflops": round(mm, 1)}
+
+
+def _matrices(c: Qwen35Config) -> list[tuple[int, int]]:
+    return [nk for kind in c.layer_types for nk in device_weights.matrix_shapes(c, kind).values()]
+
+
+def weight_bytes(c: Qwen35Config) -> int:
+    """Weight bytes one decode step reads: every layer matrix and the LM head, bf16."""
+    return 2 * (sum(n * k for n, k in _matrices(c)) + c.vocab_size * c.hidden_size)
+
+
+def step_bytes(c: Qwen35Config, ctx: int, lanes: int) -> int:
+    """Weight bytes plus each lane's K/V rows [0, ctx) and recurrent state (read and written)."""
+    per_lane = ctx * c.kv_bytes_per_row + 2 * len(c.linear_layers) * c.recurrent_bytes_per_layer
+    return weight_bytes(c) + lanes * per_lane
+
+
+def prefill_flops(c: Qwen35Config, rows: int) -> float:
+    """Matrix FLOPs of a prefill of `rows` rows: the layer GEMMs, causal attention (QK and
+    PV over rows^2 / 2 pairs), the LM head of the last row."""
+    gemm = 2.0 * rows * sum(n * k for n, k in _matrices(c))
+    attn = 2.0 * rows * rows * c.num_attention_heads * c.head_dim * len(c.full_layers)
+    return gemm + attn + 2.0 * c.hidden_size * c.vocab_size
+
+
+# ours -----------------------------------------------------------------------------------
+
+
+def _fresh_states(backend: NumbaCudaBackend, lanes: int, ctx: int, seed: int) -> list:
+    """`lanes` states standing at row `ctx`, their recurrent and conv state random (K/V
+    rows were filled once for the whole pool)."""
+    states = []
+    for lane in range(lanes):
+        state = backend.new_state()
+        for i in range(backend.pool.recurrent.shape[0]):
+            device_weights.fill_uniform(backend.pool.recurrent[i, state.slot], seed + 2 * lane + 7 * i, 0.02)
+            device_weights.fill_uniform(backend.pool.conv[i, state.slot], seed + 2 * lane + 7 * i + 1, 1.0)
+        state.rows = ctx
+        states.append(state)
+    return states
+
+
+KERNELS = ("elementwise.embed", "elementwise.swiglu", "norms.add_rms_norm", "norms.gated_rms_norm",
+           "conv.causal_conv1d", "delta_rule.delta_prep", "delta_rule.delta_recurrence",
+           "attention_prep.kv_norm_rope_store", "attention_prep.q_norm_rope", "attention.attention")
+
+
+@contextlib.contextmanager
+def _timed_kernels(backend: NumbaCudaBackend, timer: CallTimer):
+    """Wrap every kernel function the backend calls (and its GEMV / GEMM) in `timer`."""
+    saved = []
+    for path in KERNELS:
+        module_name, name = path.split(".")
+        module = getattr(nb_backend, module_name)
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, timer.wrap(name, getattr(module, name)))
+    real_gemv, real_matmul = nb_backend.gemv, backend.gemm.matmul
+    gemv_labels = {id(backend.w.lm_head): "lm_head gemv"}
+    nb_backend.gemv = lambda x, w, *a, **k: timer.wrap(gemv_labels.get(id(w), "gemv"), real_gemv)(x, w, *a, **k)
+    backend.gemm.matmul = timer.wrap("gemm (cuBLASLt)", real_matmul)
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+        nb_backend.gemv = real_gemv
+        del backend.gemm.matmul
+
+
+def _profile(backend: NumbaCudaBackend, launch, spin_ms: float) -> dict:
+    """Per-kernel device ms of one `launch()` queued behind a spin kernel."""
+    timer = CallTimer()
+    with _timed_kernels(backend, timer):
+        spin(spin_ms)
+        start, stop = new_event(), new_event()
+        start.record()
+        launch()
+        stop.record()
+    step_s = elapsed_seconds(start, stop)
+    totals = sorted(timer.totals().items(), key=lambda kv: -kv[1][0])
+    return {"step_ms": round(step_s * 1e3, 3),
+            "kernels": {label: {"ms": round(s * 1e3, 3), "calls": n} for label, (s, n) in totals}}
+
+
+def decode_ours(backend: NumbaCudaBackend, ctx: int, lanes: int, cfg: BenchConfig, profile: bool) -> dict:
+    rng = np.random.default_rng(cfg.seed + ctx + lanes)
+    states = _fresh_states(backend, lanes, ctx, cfg.seed + 1000 * lanes)
+    tokens = [int(t) for t in rng.integers(0, backend.config.vocab_size, lanes)]
+    backend.decode(states, tokens)
+    eager = []
+    for _ in range(cfg.eager_steps):
+        t0 = time.perf_counter()
+        logits = backend.decode(states, tokens)
+        eager.append(time.perf_counter() - t0)
+    assert np.isfinite(logits).all(), "non-finite decode logits"
+    out = {"ctx": ctx, "lanes": lanes, "eager_s": float(np.median(eager))}
+    if profile:
+        ids, positions, slots = backend.decode_inputs(states, tokens)
+        args = [to_device(a) for a in (ids, positions, slots, np.arange(lanes + 1, dtype=np.int32))]
+        out["profile"] = _profile(backend, lambda: backend.decode_step(*args, int(positions.max())), 500.0)
+    graphs = DecodeGraphs(backend)
+    try:
+        t0 = time.perf_counter()
+        graphs.decode(states, tokens)
+        out["capture_s"] = time.perf_counter() - t0
+        replayed = []
+        for _ in range(cfg.graph_steps):
+            t0 = time.perf_counter()
+            graphs.decode(states, tokens)
+            replayed.append(time.perf_counter() - t0)
+        out["graph_s"] = float(np.median(replayed))
+        out["graph_device_s"] = graphs.replay_seconds(lanes, 5)
+    finally:
+        graphs.close()
+        for state in states:
+            backend.release(state)
+    return out
+
+
+def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile: bool) -> dict:
+    rng = np.random.default_rng(cfg.seed + rows)
+    ids = [int(t) for t in rng.integers(0, backend.config.vocab_size, rows)]
+    state = backend.new_state()
+    t0 = time.perf_counter()
+    logits = backend.prefill(state, ids, (0, rows))
+    out = {"rows": rows, "ttft_s": time.perf_counter() - t0}
+    backend.release(state)
+    assert np.isfinite(logits).all(), "non-finite prefill logits"
+    if profile:
+        state = backend.new_state()
+        s = state.slot
+        args = [to_device(np.asarray(a, np.int32)) for a in (ids, np.arange(rows), np.full(rows, s), [s], [0, rows])]
+        out["profile"] = _profile(backend, lambda: backend.prefill_step(*args, rows - 1), 100.0)
+        backend.release(state)
+    return out
+
+
+# the peer: transformers on the same weights ---------------------------------------------
+
+
+def hf_model(config: Qwen35Config, w: device_weights.DeviceWeights, device: str = "cuda"):
+    """transformers' Qwen3_5ForCausalLM (bf16, sdpa) whose matrices are zero-copy views of
+    `w`'s bf16 arrays and whose vectors are bf16 copies of `w`'s (bf16-representable) ones."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    drop = ("model_type", "dtype", "attn_output_gate", "mtp_num_hidden_layers", "architectures")
+    hf_config = Qwen3_5TextConfig(**{k: v for k, v in to_hf_dict(attrs.evolve(config, nested=False)).items()
+                                     if k not in drop})
+    hf_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(hf_config)
+    view = lambda a: torch.as_tensor(a.view(np.int16), device=device).view(torch.bfloat16)  # noqa: E731
+    vec = lambda a: torch.as_tensor(a, device=device).to(torch.bfloat16)  # noqa: E731
+    c = config
+    state = {"model.embed_tokens.weight": view(w.embed), "lm_head.weight": view(w.lm_head), "model.norm.weight": vec(w.norm)}
+    for i, (kind, lw) in enumerate(zip(c.layer_types, w.layers)):
+        p = f"model.layers.{i}."
+        inter = c.intermediate_size
+        gate_up = view(lw["gate_up"])
+        state |= {p + "input_layernorm.weight": vec(lw["in_norm"]), p + "post_attention_layernorm.weight": vec(lw["post_norm"]),
+                  p + "mlp.gate_proj.weight": gate_up[:inter], p + "mlp.up_proj.weight": gate_up[inter:],
+                  p + "mlp.down_proj.weight": view(lw["down"])}
+        if kind == FULL:
+            a, kv, half = p + "self_attn.", view(lw["kv_proj"]), c.num_key_value_heads * c.head_dim
+            state |= {a + "q_proj.weight": view(lw["q_proj"]), a + "k_proj.weight": kv[:half], a + "v_proj.weight": kv[half:],
+                      a + "o_proj.weight": view(lw["o_proj"]), a + "q_norm.weight": vec(lw["q_norm"]),
+                      a + "k_norm.weight": vec(lw["k_norm"])}
+        else:
+            a, proj = p + "linear_attn.", view(lw["in_proj"])
+            ch, vd, vh = c.conv_channels, c.linear_value_dim, c.linear_num_value_heads
+            state |= {a + "in_proj_qkv.weight": proj[:ch], a + "in_proj_z.weight": proj[ch : ch + vd],
+                      a + "in_proj_b.weight": proj[ch + vd : ch + vd + vh], a + "in_proj_a.weight": proj[ch + vd + vh :],
+                      a + "out_proj.weight": view(lw["out_proj"]), a + "conv1d.weight": vec(lw["conv"]).unsqueeze(1),
+                      a + "A_log": vec(lw["a_log"]), a + "dt_bias": vec(lw["dt_bias"]), a + "norm.weight": vec(lw["norm"])}
+    expected = set(model.state_dict())
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=True, assign=True)
+    if c.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = Qwen3_5TextRotaryEmbedding(config=hf_config, device=device)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"still on the meta device: {left}"
+    return model.eval(), hf_config
+
+
+def _hf_call(model, ids, cache):
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+        return out.logits[:, -1].float().cpu().numpy()
+
+
+def prefill_peer(model, hf_config, rows: int, seed: int, device: str = "cuda") -> float:
+    import torch
+    from transformers import DynamicCache
+
+    ids = torch.as_tensor(np.random.default_rng(seed + rows).integers(0, hf_config.vocab_size, (1, rows)), device=device)
+    t0 = time.perf_counter()
+    logits = _hf_call(model, ids, DynamicCache(config=hf_config))
+    seconds = time.perf_counter() - t0
+    assert np.isfinite(logits).all()
+    return seconds
+
+
+def decode_peer(model, hf_config, ctx: int, lanes: int, steps: int, seed: int, device: str = "cuda") -> float:
+    """Median seconds per decode step of `lanes` sequences whose attention caches hold `ctx`
+    random rows (after a real 16-token prefill fills every layer's cache)."""
+    import torch
+    from transformers import DynamicCache
+
+    rng = np.random.default_rng(seed + ctx + lanes)
+    cache = DynamicCache(config=hf_config)
+    _hf_call(model, torch.as_tensor(rng.integers(0, hf_config.vocab_size, (lanes, 16)), device=device), cache)
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.numel():
+            b, h, _, d = keys.shape
+            layer.keys = torch.empty(b, h, ctx, d, dtype=keys.dtype, device=keys.device).uniform_(-1, 1)
+            layer.values = torch.empty(b, h, ctx, d, dtype=keys.dtype, device=keys.device).uniform_(-1, 1)
+    token = torch.as_tensor(rng.integers(0, hf_config.vocab_size, (lanes, 1)), device=device)
+    times = []
+    for _ in range(2 + steps):
+        t0 = time.perf_counter()
+        _hf_call(model, token, cache)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[2:]))
+
+
+# driver ---------------------------------------------------------------------------------
+
+
+def _numerics(ours: np.ndarray, peer: np.ndarray) -> dict:
+    rel = float(np.linalg.norm(ours.astype(np.float64) - peer) / np.linalg.norm(peer.astype(np.float64)))
+    top5 = len(set(np.argsort(-ours)[:5]) & set(np.argsort(-peer)[:5]))
+    return {"rel_err": round(rel, 5), "top1_equal": bool(np.argmax(ours) == np.argmax(peer)), "top5_overlap": top5}
+
+
+def run_preset(name: str, cfg: BenchConfig, ceil: dict, log) -> dict:
+    c = preset(name)
+    long_rows = [int(e.split(":")[1]) for e in cfg.long_prefill if e.split(":")[0] == name]
+    prefill_rows = list(cfg.prefill_rows) + long_rows
+    capacity = max(max(cfg.contexts) + cfg.eager_steps + cfg.graph_steps + 16, max(prefill_rows))
+    t0 = time.perf_counter()
+    w = device_weights.random(c, cfg.seed)
+    backend = NumbaCudaBackend.from_device_weights(c, w, slots=max(cfg.lanes), capacity_rows=capacity)
+    for i, array in enumerate((backend.pool.keys, backend.pool.values)):
+        device_weights.fill_uniform(array, cfg.seed + 90 + i, 2.0)
+    result = {"weight_bytes": weight_bytes(c), "setup_s": time.perf_counter() - t0, "decode": [], "prefill": []}
+    warm = backend.new_state()
+    check_ids = [int(t) for t in np.random.default_rng(cfg.seed).integers(0, c.vocab_size, cfg.check_rows)]
+    ours_check = backend.prefill(warm, check_ids, (0, cfg.check_rows))
+    backend.decode([warm], [1])
+    backend.release(warm)
+    log(f"{name}: weights + pool + warm-up {time.perf_counter() - t0:.1f} s")
+    profile = name in cfg.profile
+    for ctx in cfg.contexts:
+        for lanes in cfg.lanes:
+            big = ctx == max(cfg.contexts) and lanes == max(cfg.lanes)
+            small = ctx == min(cfg.contexts) and lanes == min(cfg.lanes)
+            r = decode_ours(backend, ctx, lanes, cfg, profile and (big or small))
+            result["decode"].append(r)
+            log(f"{name} decode ctx {ctx} lanes {lanes}: eager {r['eager_s'] * 1e3:.1f} ms, graph {r['graph_s'] * 1e3:.1f} ms "
+                f"(device {r['graph_device_s'] * 1e3:.1f} ms)")
+    for rows in prefill_rows:
+        r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
+        result["prefill"].append(r)
+        log(f"{name} prefill {rows}: TTFT {r['ttft_s']:.3f} s")
+    backend.pool = None
+    del backend
+    gc.collect()
+    release_memory()
+    if cfg.peer:
+        import torch
+
+        model, hf_config = hf_model(c, w)
+        result["numerics_vs_peer"] = _numerics(ours_check, _hf_call(model, torch.as_tensor([check_ids], device="cuda"), None)[0])
+        log(f"{name} ours vs transformers logits: {result['numerics_vs_peer']}")
+        prefill_peer(model, hf_config, 256, cfg.seed)
+        for r in result["prefill"]:
+            r["peer_ttft_s"] = prefill_peer(model, hf_config, r["rows"], cfg.seed)
+            log(f"{name} peer prefill {r['rows']}: TTFT {r['peer_ttft_s']:.3f} s")
+            torch.cuda.empty_cache()
+        for r in result["decode"]:
+            r["peer_s"] = decode_peer(model, hf_config, r["ctx"], r["lanes"], cfg.peer_steps, cfg.seed)
+            log(f"{name} peer decode ctx {r['ctx']} lanes {r['lanes']}: {r['peer_s'] * 1e3:.1f} ms")
+            torch.cuda.empty_cache()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    for r in result["decode"]:
+        r["roof_s"] = weight_bytes(c) / (ceil["copy_gbps"] * 1e9)
+        r["full_roof_s"] = step_bytes(c, r["ctx"], r["lanes"]) / (ceil["copy_gbps"] * 1e9)
+    for r in result["prefill"]:
+        r["roof_s"] = prefill_flops(c, r["rows"]) / (ceil["bf16_tflops"] * 1e12)
+    del w
+    gc.collect()
+    release_memory()
+    return result
+
+
+def _ratio(num, den, fmt: str) -> str:
+    return "-" if num is None or den is None else format(num / den, fmt)
+
+
+def tables(results: dict) -> str:
+    """The markdown tables of a run."""
+    lines = ["| model | ctx | lanes | ours eager tok/s | ours graph tok/s | peer tok/s | roofline tok/s (weights) | "
+             "graph / roofline | graph / peer | floor incl. K/V + state tok/s | graph / that floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, p in results["presets"].items():
+        for r in p["decode"]:
+            lanes, peer = r["lanes"], r.get("peer_s")
+            cells = [name, r["ctx"], lanes, _ratio(lanes, r["eager_s"], ".1f"), _ratio(lanes, r["graph_s"], ".1f"),
+                     _ratio(lanes, peer, ".1f"), _ratio(lanes, r["roof_s"], ".1f"), _ratio(r["roof_s"], r["graph_s"], ".0%"),
+                     _ratio(peer, r["graph_s"], ".2f") + ("x" if peer else ""), _ratio(lanes, r["full_roof_s"], ".1f"),
+                     _ratio(r["full_roof_s"], r["graph_s"], ".0%")]
+            lines.append("| " + " | ".join(str(x) for x in cells) + " |")
+    lines += ["", "| model | prompt rows | ours TTFT s | ours rows/s | peer TTFT s | matrix roofline TTFT s | "
+              "ours / roofline | ours / peer |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, p in results["presets"].items():
+        for r in p["prefill"]:
+            peer = r.get("peer_ttft_s")
+            cells = [name, r["rows"], f"{r['ttft_s']:.3f}", _ratio(r["rows"], r["ttft_s"], ".0f"),
+                     "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
+                     _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
+            lines.append("| " + " | ".join(str(x) for x in cells) + " |")
+    for name, p in results["presets"].items():
+        for kind in ("decode", "prefill"):
+            for r in p[kind]:
+                if "profile" in r:
+                    where = f"ctx {r['ctx']} lanes {r['lanes']}" if kind == "decode" else f"{r['rows']} rows"
+                    parts = ", ".join(f"{k} {v['ms']:.2f} ms ({v['calls']})" for k, v in r["profile"]["kernels"].items())
+                    lines.append(f"\n{name} {kind} {where} (eager, device {r['profile']['step_ms']:.2f} ms): {parts}")
+    return "\n".join(lines)
+
+
+def _commit(fallback: str) -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return fallback or "unknown"
+
+
+def run(cfg: BenchConfig, out_dir: Path | None) -> dict:
+    """Measure every preset of `cfg`; write decode_prefill.json / .md into out_dir as it goes."""
+    import torch
+    import transformers
+
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    results = {"device": device_name(), "commit": _commit(cfg.commit), "command": " ".join(sys.argv),
+               "config": attrs.asdict(cfg), "torch": torch.__version__, "transformers": transformers.__version__,
+               "ceilings": ceilings(), "presets": {}}
+    log(f"{results['device']}: {results['ceilings']}")
+    for name in cfg.presets:
+        results["presets"][name] = run_preset(name, cfg, results["ceilings"], log)
+        if out_dir is not None:
+            (out_dir / "decode_prefill.json").write_text(json.dumps(results, indent=1, default=str))
+    if out_dir is not None:
+        (out_dir / "decode_prefill.md").write_text(tables(results) + "\n")
+    return results
+
+
+def main() -> None:
+    defaults = BenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", help=f"comma-separated (default {','.join(defaults.presets)})")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument("--commit", default="", help="commit to record when git is unavailable")
+    parser.add_argument("--out", type=Path, default=None, help="folder for decode_prefill.json and .md")
+    args = parser.parse_args()
+    changes = {"peer": not args.no_peer, "commit": args.commit}
+    if args.presets:
+        changes["presets"] = tuple(args.presets.split(","))
+    cfg = attrs.evolve(defaults, **changes)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    results = run(cfg, args.out)
+    print("\n" + tables(results))
+
+
+if __name__ == "__main__":
+    main()
