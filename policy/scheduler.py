@@ -18,7 +18,7 @@ from policy.config import PolicyConfig
 from policy.keep import KeepRow, PassKind, keep_rows
 from policy.plan import Chunk, check_starts, fresh_cuts, plan_chunks
 from policy.prefix import Prompt
-from policy.shape import ModelShape, state_bytes
+from policy.shape import ModelShape
 from policy.store import Entry, KeepResult, Store
 from policy.work import ChunkRun, Evicted, Finished, Kept, Released, Request, Step
 from policy.tail import TailFacts, tail_from
@@ -79,6 +79,8 @@ class Scheduler:
     value_s(rows) -> seconds a fresh prefill of `rows` rows costs: the eviction value of a
     kept state (the simulator passes its cost model, the executor a measured rate).
     emit(event) receives every trace event in order.
+    tail: the model's tail facts (last layer attention, even head grouping, a reader the
+    model always has); default: Qwen3.5's (rule 8). tail_rows comes from cfg.
     """
 
     def __init__(
@@ -89,10 +91,12 @@ class Scheduler:
         *,
         emit: Callable[[ev.Event], None],
         value_s: Callable[[int], float] = lambda rows: rows * 1e-4,
+        tail: TailFacts | None = None,
     ) -> None:
         self.cfg, self.facts, self.shape = cfg, facts, shape
         self.store = Store(shape, cfg, facts)
         self._emit, self._value_s = emit, value_s
+        self._tail_model = tail if tail is not None else TailFacts(tail_rows=cfg.tail_rows)
         self._queue: deque[tuple[Request, float]] = deque()
         self._lanes: dict[int, _Lane] = {}
         self._warm: dict[str, _Warm] = {}
@@ -221,6 +225,8 @@ class Scheduler:
             self.store.unpin(entry)
             lane.pass_.restore = None
             lane.phase = Phase.DECODE
+            if lane.cancelled:
+                continue
             effects.extend(self._first_token(stream, lane, now, stream in stopped))
         for stream in step.decode:
             lane = self._lanes.get(stream)
@@ -319,7 +325,8 @@ class Scheduler:
             or any(s == stream for s, _ in step.restores)
 
     def _tail(self, chunk: Chunk, req: Request | None) -> int | None:
-        facts = TailFacts(tail_rows=self.cfg.tail_rows, has_reader=bool(req and req.has_reader))
+        facts = attrs.evolve(self._tail_model, tail_rows=self.cfg.tail_rows,
+                             has_reader=self._tail_model.has_reader or bool(req and req.has_reader))
         return tail_from(chunk, facts)
 
     def _chunk_run(self, p: _Pass, req: Request | None) -> ChunkRun:
@@ -431,7 +438,7 @@ class Scheduler:
         effects: list[object] = []
         for e in result.evicted:
             self._emit(ev.StateEvicted(t=now, entry=e.entry.id, row=e.entry.row,
-                                       bytes=state_bytes(self.shape, e.entry.row), how=e.kind.value))
+                                       bytes=e.bytes, how=e.kind.value))
             effects.append(Evicted(e.entry, e.kind))
         if result.entry is None:
             self._emit(ev.KeepRefused(t=now, stream=p.stream, conversation=p.conversation,

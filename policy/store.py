@@ -68,10 +68,11 @@ class Entry:
 
 @attrs.frozen
 class Eviction:
-    """One entry the store let go, and how (EvictKind)."""
+    """One entry the store let go, how (EvictKind), and the bytes that freed."""
 
     entry: Entry
     kind: EvictKind
+    bytes: int
 
 
 @attrs.frozen
@@ -264,9 +265,10 @@ class Store:
         entry.version += 1
         node: Entry | None = entry
         while node is not None and not node.live and node.children == 0:
+            freed = node.own_rows * self._row_bytes + (self._fixed if node is entry else 0)
             self.bytes_used -= node.own_rows * self._row_bytes
             self._drop(node)
-            out.append(Eviction(node, EvictKind.FREED))
+            out.append(Eviction(node, EvictKind.FREED, freed))
             parent = node.parent
             if parent is not None:
                 parent.children -= 1
@@ -275,7 +277,7 @@ class Store:
         if node is not None:
             self._refresh(node)
         if entry.children > 0:
-            out.insert(0, Eviction(entry, EvictKind.GHOST))
+            out.insert(0, Eviction(entry, EvictKind.GHOST, self._fixed))
         return tuple(out)
 
     def _refresh(self, node: Entry) -> None:

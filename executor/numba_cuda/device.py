@@ -192,7 +192,7 @@ def median_seconds(fn, repeat: int = 20) -> float:
         fn()
         stop.record()
         stop.synchronize()
-        times.append(cuda.event_elapsed_time(start, stop) / 1e3)
+        times.append(start.elapsed_time(stop) / 1e3)
     return float(np.median(times))
 
 
@@ -227,7 +227,7 @@ def device_seconds(fn, repeat: int = 20, spin_ms: float = 50.0) -> float:
         fn()
     stop.record()
     stop.synchronize()
-    return cuda.event_elapsed_time(start, stop) / 1e3 / repeat
+    return start.elapsed_time(stop) / 1e3 / repeat
 
 
 class CallTimer:
@@ -255,7 +255,7 @@ class CallTimer:
         out: dict[str, tuple[float, int]] = {}
         for label, start, stop in self._records:
             seconds, calls = out.get(label, (0.0, 0))
-            out[label] = (seconds + cuda.event_elapsed_time(start, stop) / 1e3, calls + 1)
+            out[label] = (seconds + start.elapsed_time(stop) / 1e3, calls + 1)
         return out
 
 
@@ -278,4 +278,4 @@ def new_stream():
 def elapsed_seconds(start, stop) -> float:
     """Seconds between two recorded events (waits for `stop`)."""
     stop.synchronize()
-    return cuda.event_elapsed_time(start, stop) / 1e3
+    return start.elapsed_time(stop) / 1e3

@@ -120,7 +120,7 @@ class DecodeGraphs:
             _checked(_driver.cuGraphLaunch(graph.executable, _cu_stream(stream)))
         stop.record(stream=stream)
         stop.synchronize()
-        return cuda.event_elapsed_time(start, stop) / 1e3 / repeat
+        return start.elapsed_time(stop) / 1e3 / repeat
 
     def close(self) -> None:
         """Destroy the captured graphs (their buffers go with them)."""
