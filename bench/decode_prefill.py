@@ -34,8 +34,8 @@ from executor.config import FULL, Qwen35Config, to_hf_dict
 from executor.numba_cuda import backend as nb_backend
 from executor.numba_cuda import device_weights
 from executor.numba_cuda.backend import NumbaCudaBackend
-from executor.numba_cuda.device import (CallTimer, device_name, elapsed_seconds, new_event, release_memory, spin,
-                                        to_device)
+from executor.numba_cuda.device import (CallTimer, deferred_frees, device_name, elapsed_seconds, new_event,
+                                        release_memory, spin, to_device)
 from executor.numba_cuda.graphs import DecodeGraphs
 from executor.presets import preset
 
@@ -161,7 +161,7 @@ def _timed_kernels(backend: NumbaCudaBackend, timer: CallTimer):
 def _profile(backend: NumbaCudaBackend, launch, spin_ms: float) -> dict:
     """Per-kernel device ms of one `launch()` queued behind a spin kernel."""
     timer = CallTimer()
-    with _timed_kernels(backend, timer):
+    with _timed_kernels(backend, timer), deferred_frees():
         spin(spin_ms)
         start, stop = new_event(), new_event()
         start.record()

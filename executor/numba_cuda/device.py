@@ -203,30 +203,35 @@ def device_name() -> str:
 
 
 @cuda.jit
-def _spin_kernel(microseconds):
-    for _ in range(microseconds):
-        cuda.nanosleep(np.uint32(1000))
+def _spin_kernel(iterations, out):
+    # one thread: a chain of dependent multiply-adds (about 2 ns each at full clock)
+    x = np.float32(iterations & 7)
+    for _ in range(iterations):
+        x = x * np.float32(0.999) + np.float32(1.0)
+    out[0] = x
 
 
 def spin(ms: float, stream=0) -> None:
-    """Keep the device busy for about `ms` milliseconds (one sleeping thread), so that work
-    the host enqueues behind it runs back to back and events time the device alone."""
-    _spin_kernel[1, 1, stream](int(ms * 1000))
+    """Keep the device busy for at least about `ms` milliseconds (one thread, longer at
+    low clocks), so that work the host enqueues behind it runs back to back and events
+    time the device alone."""
+    _spin_kernel[1, 1, stream](int(ms * 5e5), cuda.device_array(1, np.float32, stream=stream))
 
 
 def device_seconds(fn, repeat: int = 20, spin_ms: float = 50.0) -> float:
     """Device seconds per call of `fn()` (which launches on the default stream): one
     warm-up, then `repeat` calls enqueued behind `spin` and timed between two events,
-    so host launch costs are not counted."""
+    so host launch costs are not counted (frees deferred meanwhile: they synchronize)."""
     fn()
     cuda.synchronize()
     start, stop = cuda.event(), cuda.event()
-    spin(spin_ms)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    stop.record()
-    stop.synchronize()
+    with cuda.defer_cleanup():
+        spin(spin_ms)
+        start.record()
+        for _ in range(repeat):
+            fn()
+        stop.record()
+        stop.synchronize()
     return start.elapsed_time(stop) / 1e3 / repeat
 
 
@@ -257,6 +262,11 @@ class CallTimer:
             seconds, calls = out.get(label, (0.0, 0))
             out[label] = (seconds + start.elapsed_time(stop) / 1e3, calls + 1)
         return out
+
+
+def deferred_frees():
+    """A context in which no device memory is freed (a free synchronizes the device)."""
+    return cuda.defer_cleanup()
 
 
 def release_memory() -> None:
