@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from policy.shape import ModelShape, state_bytes
+
 from executor.errors import CheckpointError
 
 LINEAR = "linear_attention"
@@ -190,32 +192,49 @@ class Qwen35Config:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def shape(self) -> ModelShape:
+        """The state-sizing facts (`policy.shape.ModelShape`): fp32 recurrent matrices, bf16
+        conv tails and K/V rows, in the serving format whatever the checkpoint's dtype."""
+        return ModelShape(
+            linear_layers=len(self.linear_layers),
+            attention_layers=len(self.full_layers),
+            linear_num_key_heads=self.linear_num_key_heads,
+            linear_key_head_dim=self.linear_key_head_dim,
+            linear_num_value_heads=self.linear_num_value_heads,
+            linear_value_head_dim=self.linear_value_head_dim,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            conv_bytes=CONV_TAIL_DTYPE_BYTES,
+            kv_bytes=KV_CACHE_DTYPE_BYTES,
+        )
+
+    @property
     def recurrent_bytes_per_layer(self) -> int:
         """fp32 recurrent matrix [value_heads, key_dim, value_dim] of one linear layer."""
-        return 4 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return self.shape.recurrent_layer_bytes
 
     @property
     def conv_tail_bytes_per_layer(self) -> int:
-        """Conv tail [kernel - 1, conv_channels] of one linear layer in the serving format
-        (bf16, 2 bytes, whatever the checkpoint's dtype; policy.shape.ModelShape.conv_bytes)."""
-        return (self.linear_conv_kernel_dim - 1) * self.conv_channels * CONV_TAIL_DTYPE_BYTES
+        """Conv tail [kernel - 1, conv_channels] of one linear layer in bf16."""
+        return self.shape.conv_layer_bytes
 
     @property
     def kv_bytes_per_row(self) -> int:
-        """K and V of one row over all full-attention layers (bf16: 2 x kv_heads x head_dim x 2)."""
-        per_layer = 2 * self.num_key_value_heads * self.head_dim * KV_CACHE_DTYPE_BYTES
-        return per_layer * len(self.full_layers)
+        """K and V of one row over all full-attention layers (bf16)."""
+        return self.shape.row_bytes
 
     @property
     def fixed_state_bytes(self) -> int:
         """Row-independent part of a state: recurrent matrices and conv tails of all linear layers."""
-        return len(self.linear_layers) * (self.recurrent_bytes_per_layer + self.conv_tail_bytes_per_layer)
+        return self.shape.fixed_bytes
 
     def state_bytes(self, rows: int) -> int:
-        """Bytes of a state at row `rows`: fixed part plus K/V rows [0, rows)."""
-        if rows < 0:
-            raise ValueError(f"rows must be >= 0, got {rows}")
-        return self.fixed_state_bytes + rows * self.kv_bytes_per_row
+        """Bytes of a state at row `rows` (`policy.shape.state_bytes`: fixed part + K/V rows).
+
+        Raises ValueError: rows < 0.
+        """
+        return state_bytes(self.shape, rows)
 
 
 def _field_error(source: str, field: str, problem: str) -> CheckpointError:

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 
 from executor.backend import Backend
-from executor.config import KV_CACHE_DTYPE_BYTES, Qwen35Config
+from executor.config import Qwen35Config
 from policy.shape import ModelShape
 
 
@@ -30,19 +30,7 @@ class Payload:
 
 def model_shape(config: Qwen35Config) -> ModelShape:
     """The state-sizing facts of `config`: state_bytes(shape, P) == config.state_bytes(P)."""
-    return ModelShape(
-        linear_layers=len(config.linear_layers),
-        attention_layers=len(config.full_layers),
-        linear_num_key_heads=config.linear_num_key_heads,
-        linear_key_head_dim=config.linear_key_head_dim,
-        linear_num_value_heads=config.linear_num_value_heads,
-        linear_value_head_dim=config.linear_value_head_dim,
-        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        conv_bytes=config.conv_tail_bytes_per_layer // ((config.linear_conv_kernel_dim - 1) * config.conv_channels),
-        kv_bytes=KV_CACHE_DTYPE_BYTES,
-    )
+    return config.shape
 
 
 def snapshot(backend: Backend, state: Any, logits: np.ndarray | None) -> Payload:
