@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import attrs
@@ -78,15 +79,19 @@ def ceilings() -> dict:
         stop.synchronize()
         return start.elapsed_time(stop) / 1e3 / repeat
 
+    def copy_seconds(n):
+        src = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+        dst = torch.empty_like(src)
+        return timed(lambda: dst.copy_(src))
+
+    def matmul_seconds(n):
+        x = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        y = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        return timed(lambda: x @ y)
+
     n = 1 << 31
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
-    b = torch.empty_like(a)
-    copy = 2 * 2 * n / timed(lambda: b.copy_(a)) / 1e9
-    del a, b
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    mm = 2 * 8192**3 / timed(lambda: x @ y) / 1e12
-    del x, y
+    copy = 2 * 2 * n / copy_seconds(n) / 1e9
+    mm = 2 * 8192**3 / matmul_seconds(8192) / 1e12
     torch.cuda.empty_cache()
     return {"copy_gbps": round(copy, 1), "bf16_tflops": round(mm, 1)}
 
@@ -158,10 +163,12 @@ def _timed_kernels(backend: NumbaCudaBackend, timer: CallTimer):
         del backend.gemm.matmul
 
 
-def _profile(backend: NumbaCudaBackend, launch, spin_ms: float) -> dict:
-    """Per-kernel device ms of one `launch()` queued behind a spin kernel."""
+def _profile(backend: NumbaCudaBackend, launch, spin_ms: float, defer: bool) -> dict:
+    """Per-kernel device ms of one `launch()` queued behind a spin kernel (with `defer`, no
+    buffer is freed meanwhile, since a free waits for the device: decode steps only, a
+    prefill's buffers would not fit)."""
     timer = CallTimer()
-    with _timed_kernels(backend, timer), deferred_frees():
+    with _timed_kernels(backend, timer), deferred_frees() if defer else contextlib.nullcontext():
         spin(spin_ms)
         start, stop = new_event(), new_event()
         start.record()
@@ -188,7 +195,7 @@ def decode_ours(backend: NumbaCudaBackend, ctx: int, lanes: int, cfg: BenchConfi
     if profile:
         ids, positions, slots = backend.decode_inputs(states, tokens)
         args = [to_device(a) for a in (ids, positions, slots, np.arange(lanes + 1, dtype=np.int32))]
-        out["profile"] = _profile(backend, lambda: backend.decode_step(*args, int(positions.max())), 500.0)
+        out["profile"] = _profile(backend, lambda: backend.decode_step(*args, int(positions.max())), 500.0, True)
     graphs = DecodeGraphs(backend)
     try:
         t0 = time.perf_counter()
@@ -221,7 +228,7 @@ def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile
         state = backend.new_state()
         s = state.slot
         args = [to_device(np.asarray(a, np.int32)) for a in (ids, np.arange(rows), np.full(rows, s), [s], [0, rows])]
-        out["profile"] = _profile(backend, lambda: backend.prefill_step(*args, rows - 1), 100.0)
+        out["profile"] = _profile(backend, lambda: backend.prefill_step(*args, rows - 1), 100.0, False)
         backend.release(state)
     return out
 
@@ -328,17 +335,18 @@ def _numerics(ours: np.ndarray, peer: np.ndarray) -> dict:
     return {"rel_err": round(rel, 5), "top1_equal": bool(np.argmax(ours) == np.argmax(peer)), "top5_overlap": top5}
 
 
-def run_preset(name: str, cfg: BenchConfig, ceil: dict, log) -> dict:
+def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> None:
+    """Measure one preset into `result` (filled as it goes, so a failure keeps the rest)."""
     c = preset(name)
     long_rows = [int(e.split(":")[1]) for e in cfg.long_prefill if e.split(":")[0] == name]
     prefill_rows = list(cfg.prefill_rows) + long_rows
-    capacity = max(max(cfg.contexts) + cfg.eager_steps + cfg.graph_steps + 16, max(prefill_rows))
+    capacity = max([max(cfg.contexts) + cfg.eager_steps + cfg.graph_steps + 16] + prefill_rows)
     t0 = time.perf_counter()
     w = device_weights.random(c, cfg.seed)
     backend = NumbaCudaBackend.from_device_weights(c, w, slots=max(cfg.lanes), capacity_rows=capacity)
     for i, array in enumerate((backend.pool.keys, backend.pool.values)):
         device_weights.fill_uniform(array, cfg.seed + 90 + i, 2.0)
-    result = {"weight_bytes": weight_bytes(c), "setup_s": time.perf_counter() - t0, "decode": [], "prefill": []}
+    result |= {"weight_bytes": weight_bytes(c), "setup_s": time.perf_counter() - t0, "decode": [], "prefill": []}
     warm = backend.new_state()
     check_ids = [int(t) for t in np.random.default_rng(cfg.seed).integers(0, c.vocab_size, cfg.check_rows)]
     ours_check = backend.prefill(warm, check_ids, (0, cfg.check_rows))
@@ -351,11 +359,14 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log) -> dict:
             big = ctx == max(cfg.contexts) and lanes == max(cfg.lanes)
             small = ctx == min(cfg.contexts) and lanes == min(cfg.lanes)
             r = decode_ours(backend, ctx, lanes, cfg, profile and (big or small))
+            r["roof_s"] = weight_bytes(c) / (ceil["copy_gbps"] * 1e9)
+            r["full_roof_s"] = step_bytes(c, ctx, lanes) / (ceil["copy_gbps"] * 1e9)
             result["decode"].append(r)
             log(f"{name} decode ctx {ctx} lanes {lanes}: eager {r['eager_s'] * 1e3:.1f} ms, graph {r['graph_s'] * 1e3:.1f} ms "
                 f"(device {r['graph_device_s'] * 1e3:.1f} ms)")
     for rows in prefill_rows:
         r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
+        r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
         result["prefill"].append(r)
         log(f"{name} prefill {rows}: TTFT {r['ttft_s']:.3f} s")
     backend.pool = None
@@ -380,15 +391,9 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log) -> dict:
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    for r in result["decode"]:
-        r["roof_s"] = weight_bytes(c) / (ceil["copy_gbps"] * 1e9)
-        r["full_roof_s"] = step_bytes(c, r["ctx"], r["lanes"]) / (ceil["copy_gbps"] * 1e9)
-    for r in result["prefill"]:
-        r["roof_s"] = prefill_flops(c, r["rows"]) / (ceil["bf16_tflops"] * 1e12)
     del w
     gc.collect()
     release_memory()
-    return result
 
 
 def _ratio(num, den, fmt: str) -> str:
@@ -403,6 +408,8 @@ def tables(results: dict) -> str:
     for name, p in results["presets"].items():
         for r in p["decode"]:
             lanes, peer = r["lanes"], r.get("peer_s")
+            if "graph_s" not in r:
+                continue
             cells = [name, r["ctx"], lanes, _ratio(lanes, r["eager_s"], ".1f"), _ratio(lanes, r["graph_s"], ".1f"),
                      _ratio(lanes, peer, ".1f"), _ratio(lanes, r["roof_s"], ".1f"), _ratio(r["roof_s"], r["graph_s"], ".0%"),
                      _ratio(peer, r["graph_s"], ".2f") + ("x" if peer else ""), _ratio(lanes, r["full_roof_s"], ".1f"),
@@ -446,7 +453,15 @@ def run(cfg: BenchConfig, out_dir: Path | None) -> dict:
                "ceilings": ceilings(), "presets": {}}
     log(f"{results['device']}: {results['ceilings']}")
     for name in cfg.presets:
-        results["presets"][name] = run_preset(name, cfg, results["ceilings"], log)
+        result = results["presets"][name] = {"decode": [], "prefill": []}
+        try:
+            run_preset(name, cfg, results["ceilings"], log, result)
+        except Exception as exc:  # noqa: BLE001 - keep the other presets' numbers
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            gc.collect()
+            release_memory()
+            torch.cuda.empty_cache()
         if out_dir is not None:
             (out_dir / "decode_prefill.json").write_text(json.dumps(results, indent=1, default=str))
     if out_dir is not None:
@@ -459,10 +474,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", help=f"comma-separated (default {','.join(defaults.presets)})")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument("--decode-only", action="store_true", help="skip prefill (and transformers)")
     parser.add_argument("--commit", default="", help="commit to record when git is unavailable")
     parser.add_argument("--out", type=Path, default=None, help="folder for decode_prefill.json and .md")
     args = parser.parse_args()
-    changes = {"peer": not args.no_peer, "commit": args.commit}
+    changes = {"peer": not (args.no_peer or args.decode_only), "commit": args.commit}
+    if args.decode_only:
+        changes |= {"prefill_rows": (), "long_prefill": ()}
     if args.presets:
         changes["presets"] = tuple(args.presets.split(","))
     cfg = attrs.evolve(defaults, **changes)

@@ -124,7 +124,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"device": device_name(), "copy_gbps": copy, "sweep": args.sweep,
                        "vector_loads": gemv_module.VECTOR_LOADS, "results": results}, f, indent=1)
-    print(f"\n| shape | N | K | MB | row-invariant | GEMM M=4096 TFLOP/s | GEMV 1 row GB/s (of copy) | 4 rows | 16 rows |")
+    print("\n| shape | N | K | MB | row-invariant | GEMM M=4096 TFLOP/s | GEMV 1 row GB/s (of copy) | 4 rows | 16 rows |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key, r in results.items():
         inv = "-" if "rows_differ_at_m" not in r else ("yes" if not r["rows_differ_at_m"] else f"no {r['rows_differ_at_m']}")

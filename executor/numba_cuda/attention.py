@@ -2,29 +2,39 @@
 (tiles of consecutive query rows) and decode lanes (one row each), with the sigmoid
 output gate fused into the final combine.
 
-Keys are visited in blocks of THREADS rows anchored at absolute row multiples inside
-splits of `split_rows` keys anchored at absolute row 0; a query row's online-softmax
-sequence depends only on its own position, never on the chunk, tile or lane it sits in
-(key blocks past a row are masked and leave its running sums exactly unchanged). Prefill
-uses one split; decode a fixed split size, so the split count follows the context
-length, never the batch. Twins: ops.attention, then ops.sigmoid_gate.
+Prefill: keys are visited in blocks of THREADS rows anchored at absolute row multiples
+(one split from row 0); a query row's online-softmax sequence depends only on its own
+position, never on the chunk or tile it sits in (key blocks past a row are masked and
+leave its running sums exactly unchanged). Decode: one block per (lane, K/V head, split of
+DECODE_SPLIT_ROWS keys anchored at row 0) serves every query head of the group, so each
+K/V row is read once per lane; warp w takes keys w, w + 4, ... of the split, its lanes
+own dimensions lane, lane + 32, ... (coalesced loads, a fixed butterfly sum per key), and
+the four warps' softmax states merge in a fixed order. The split count follows the
+context, never the batch; splits past a lane's position exit at once, so a larger
+max_pos (a CUDA graph sized for the pool) changes no bit. Twins: ops.attention, then
+ops.sigmoid_gate.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import THREADS, bf16_to_f32, check, empty, f32_to_bf16
+from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, check, empty, f32_to_bf16
 
 TILE_ROWS = 8
 """Query rows per prefill tile (they share each key block's loads)."""
 MAX_HEAD_DIM = 256
 _DIMS_PER_THREAD = MAX_HEAD_DIM // THREADS
-DECODE_SPLIT_ROWS = 512
+DECODE_SPLIT_ROWS = 128
 """Keys per decode split (a constant: the split count depends on the context only)."""
+MAX_GROUP = 8
+"""Query heads per K/V head the decode kernel serves."""
+WARP = 32
+WARPS = THREADS // WARP
 PREFILL_SPLIT_ROWS = 1 << 30
 _F32 = np.float32
 _NEG_INF = _F32(-np.inf)
@@ -130,6 +140,127 @@ def _partial_kernel(q, q_slot, q_pos, tile_rows, kcache, vcache, split_rows, m_o
                     o_out[r0 + r, head, split, d] = acc[r, j]
 
 
+if IS_SIMULATOR:
+
+    def _warp_sum(value, scratch):
+        """The sum of `value` over the warp's 32 lanes, in the butterfly's pairing (the
+        simulator has no shuffles: a shared-memory tree, same pairs); every lane gets it."""
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        scratch[warp, lane] = value
+        cuda.syncthreads()
+        step = WARP // 2
+        while step > 0:
+            if lane < step:
+                scratch[warp, lane] += scratch[warp, lane + step]
+            cuda.syncthreads()
+            step //= 2
+        total = scratch[warp, 0]
+        cuda.syncthreads()
+        return total
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def _warp_sum(value, scratch):
+        """The sum of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
+        for step in (16, 8, 4, 2, 1):
+            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
+        return value
+
+
+@functools.cache
+def _decode_kernel(group: int, dims: int):
+    """The decode partial kernel for `group` query heads per K/V head and `dims` dimensions
+    per lane (head_dim <= 32 * dims)."""
+    width = WARP * dims
+
+    @cuda.jit
+    def kernel(q, q_slot, q_pos, kcache, vcache, split_rows, m_out, l_out, o_out):
+        # q: [nq, q_heads, head_dim] f32; kcache, vcache: [slots, capacity, kv_heads, head_dim] bf16
+        # m_out, l_out: [nq, q_heads, splits] f32; o_out: [nq, q_heads, splits, head_dim] f32
+        row = cuda.blockIdx.x
+        kv_head = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        t = cuda.threadIdx.x
+        lane = t % WARP
+        warp = t // WARP
+        head_dim = q.shape[2]
+        pos = q_pos[row]
+        key_lo = split * split_rows
+        if key_lo > pos:
+            return
+        key_hi = key_lo + split_rows
+        if key_hi > pos + 1:
+            key_hi = pos + 1
+        slot = q_slot[row]
+        head0 = kv_head * group
+        scale = _F32(1.0) / math.sqrt(_F32(head_dim))
+        scratch = cuda.shared.array((WARPS, WARP), np.float32)
+        qr = cuda.local.array((group, dims), np.float32)
+        acc = cuda.local.array((group, dims), np.float32)
+        m = cuda.local.array(group, np.float32)
+        l = cuda.local.array(group, np.float32)
+        kd = cuda.local.array(dims, np.float32)
+        vd = cuda.local.array(dims, np.float32)
+        for g in range(group):
+            m[g] = _NEG_INF
+            l[g] = _F32(0.0)
+            for j in range(dims):
+                d = lane + WARP * j
+                qr[g, j] = q[row, head0 + g, d] * scale if d < head_dim else _F32(0.0)
+                acc[g, j] = _F32(0.0)
+        for base in range(key_lo, key_hi, WARPS):
+            key = base + warp
+            live = key < key_hi
+            for j in range(dims):
+                d = lane + WARP * j
+                kd[j] = bf16_to_f32(kcache[slot, key, kv_head, d]) if live and d < head_dim else _F32(0.0)
+                vd[j] = bf16_to_f32(vcache[slot, key, kv_head, d]) if live and d < head_dim else _F32(0.0)
+            for g in range(group):
+                s = _F32(0.0)
+                for j in range(dims):
+                    s += qr[g, j] * kd[j]
+                s = _warp_sum(s, scratch)
+                if live:
+                    new_m = s if s > m[g] else m[g]
+                    corr = math.exp(m[g] - new_m)
+                    p = math.exp(s - new_m)
+                    l[g] = l[g] * corr + p
+                    for j in range(dims):
+                        acc[g, j] = acc[g, j] * corr + p * vd[j]
+                    m[g] = new_m
+        sm_m = cuda.shared.array((WARPS, group), np.float32)
+        sm_l = cuda.shared.array((WARPS, group), np.float32)
+        sm_o = cuda.shared.array((WARPS, group, width), np.float32)
+        for g in range(group):
+            if lane == 0:
+                sm_m[warp, g] = m[g]
+                sm_l[warp, g] = l[g]
+            for j in range(dims):
+                sm_o[warp, g, lane + WARP * j] = acc[g, j]
+        cuda.syncthreads()
+        for i in range(t, group * head_dim, THREADS):
+            g = i // head_dim
+            d = i % head_dim
+            top = _NEG_INF
+            for w in range(WARPS):
+                if sm_m[w, g] > top:
+                    top = sm_m[w, g]
+            total = _F32(0.0)
+            o = _F32(0.0)
+            for w in range(WARPS):
+                e = math.exp(sm_m[w, g] - top)
+                total += e * sm_l[w, g]
+                o += e * sm_o[w, g, d]
+            o_out[row, head0 + g, split, d] = o
+            if d == 0:
+                m_out[row, head0 + g, split] = top
+                l_out[row, head0 + g, split] = total
+
+    return kernel
+
+
 @cuda.jit
 def _combine_kernel(q_pos, split_rows, m_in, l_in, o_in, qg, out):
     # m_in, l_in: [nq, q_heads, splits]; o_in: [nq, q_heads, splits, head_dim] f32
@@ -172,7 +303,9 @@ def attention(
     check("vcache", vcache, np.uint16, 4)
     check("qg", qg, np.float32, 2)
     nq, q_heads, head_dim = q.shape
-    if head_dim > MAX_HEAD_DIM or kcache.shape[3] != head_dim or q_heads % kcache.shape[2]:
+    if head_dim > MAX_HEAD_DIM or kcache.shape[3] != head_dim or q_heads % kcache.shape[2] or (
+        q_heads // kcache.shape[2] > MAX_GROUP
+    ):
         raise ValueError(f"q {q.shape} does not fit the cache {kcache.shape}")
     if not 1 <= tile_rows <= TILE_ROWS or tuple(qg.shape) != (nq, q_heads * 2 * head_dim):
         raise ValueError(f"tile_rows {tile_rows} / qg {qg.shape} unsupported")
@@ -183,9 +316,14 @@ def attention(
     m = empty((nq, q_heads, splits), np.float32, stream)
     l_sum = empty((nq, q_heads, splits), np.float32, stream)
     o = empty((nq, q_heads, splits, head_dim), np.float32, stream)
-    tiles = (nq + tile_rows - 1) // tile_rows
-    _partial_kernel[(tiles, q_heads, splits), THREADS, stream](
-        q, q_slot, q_pos, tile_rows, kcache, vcache, split_rows, m, l_sum, o
-    )
+    if tile_rows == 1:
+        kv_heads = kcache.shape[2]
+        kernel = _decode_kernel(q_heads // kv_heads, (head_dim + WARP - 1) // WARP)
+        kernel[(nq, kv_heads, splits), THREADS, stream](q, q_slot, q_pos, kcache, vcache, split_rows, m, l_sum, o)
+    else:
+        tiles = (nq + tile_rows - 1) // tile_rows
+        _partial_kernel[(tiles, q_heads, splits), THREADS, stream](
+            q, q_slot, q_pos, tile_rows, kcache, vcache, split_rows, m, l_sum, o
+        )
     _combine_kernel[(nq, q_heads), THREADS, stream](q_pos, split_rows, m, l_sum, o, qg, out)
     return out

@@ -35,24 +35,46 @@ def block_sum(buf, value):
     return total
 
 
+NORM_THREADS = 1024
+"""Threads per row of `add_rms_norm`: a decode row is one block, so the row's loads must
+all be in flight at once (a hidden row of 5120 is 5 loads per thread)."""
+
+
+@cuda.jit(device=True)
+def _wide_sum(buf, value):
+    """Sum `value` over the block's NORM_THREADS threads (fixed tree order); all get the sum."""
+    t = cuda.threadIdx.x
+    buf[t] = value
+    cuda.syncthreads()
+    step = NORM_THREADS // 2
+    while step > 0:
+        if t < step:
+            buf[t] += buf[t + step]
+        cuda.syncthreads()
+        step //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total
+
+
 @cuda.jit
 def _add_rms_norm_kernel(x, delta, has_delta, weight, eps, out):
     # x: [rows, dim] f32 (updated in place when has_delta); delta: [rows, dim] f32
-    # weight: [dim] f32; out: [rows, dim] bf16
+    # weight: [dim] f32; out: [rows, dim] bf16; NORM_THREADS threads per row
     row = cuda.blockIdx.x
     t = cuda.threadIdx.x
     dim = x.shape[1]
-    buf = cuda.shared.array(THREADS, np.float32)
+    buf = cuda.shared.array(NORM_THREADS, np.float32)
     ssq = _F32(0.0)
-    for i in range(t, dim, THREADS):
+    for i in range(t, dim, NORM_THREADS):
         v = x[row, i]
         if has_delta:
             v = v + delta[row, i]
             x[row, i] = v
         ssq += v * v
-    total = block_sum(buf, ssq)
+    total = _wide_sum(buf, ssq)
     inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
-    for i in range(t, dim, THREADS):
+    for i in range(t, dim, NORM_THREADS):
         normed = x[row, i] * inv
         out[row, i] = f32_to_bf16(normed * (_F32(1.0) + weight[i]))
 
@@ -76,7 +98,7 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0):
     out = empty((rows, dim), np.uint16, stream) if out is None else out
     if rows:
         has = 1 if delta is not None else 0
-        _add_rms_norm_kernel[rows, THREADS, stream](x, x if delta is None else delta, has, weight, eps, out)
+        _add_rms_norm_kernel[rows, NORM_THREADS, stream](x, x if delta is None else delta, has, weight, eps, out)
     return out
 
 

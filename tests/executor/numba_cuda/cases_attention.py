@@ -20,11 +20,11 @@ def _cache(r, slots, capacity, kv_heads, head_dim):
     return bf16(r.normal(size=(slots, capacity, kv_heads, head_dim))), bf16(r.normal(size=(slots, capacity, kv_heads, head_dim)))
 
 
-def _run(q, qg, slots, positions, kc, vc, tile_rows, split_rows):
+def _run(q, qg, slots, positions, kc, vc, tile_rows, split_rows, max_pos=None):
     with poisoned():
         out = attention.attention(
             to_device(q), to_device(np.asarray(slots, np.int32)), to_device(np.asarray(positions, np.int32)),
-            int(max(positions)), kc, vc, to_device(qg), tile_rows, split_rows,
+            int(max(positions)) if max_pos is None else max_pos, kc, vc, to_device(qg), tile_rows, split_rows,
         )
     return host(out)
 
@@ -65,3 +65,21 @@ def test_decode_attention_lanes_with_splits():
         assert_close(f"lane {lane}", ref, as_f32(out[lane : lane + 1]), TOL, rel=True)
     solo = _run(q[1:], qg[1:], slots[1:], positions[1:], kc, vc, 1, 4)
     np.testing.assert_array_equal(solo[0], out[1])
+
+
+def test_decode_attention_grouped_heads_any_split_grid():
+    """Three query heads per K/V head, 64 dims (two per lane), several keys per warp and
+    split: matches the twin, and a split grid sized for a larger max_pos (as a CUDA graph
+    sizes it) gives the same bits."""
+    r = rng()
+    heads, kv_heads, head_dim = 6, 2, 64
+    kh, vh = _cache(r, 2, 48, kv_heads, head_dim)
+    kc, vc = to_device(kh), to_device(vh)
+    slots, positions = [1, 0, 1], [37, 5, 20]
+    q = r.normal(size=(3, heads, head_dim)).astype(np.float32)
+    qg = r.normal(size=(3, heads * 2 * head_dim)).astype(np.float32)
+    out = _run(q, qg, slots, positions, kc, vc, 1, 16)
+    for lane, (slot, pos) in enumerate(zip(slots, positions)):
+        ref = _ref(q[lane : lane + 1], qg[lane : lane + 1], as_f32(kh[slot]), as_f32(vh[slot]), pos)
+        assert_close(f"lane {lane}", ref, as_f32(out[lane : lane + 1]), TOL, rel=True)
+    np.testing.assert_array_equal(out, _run(q, qg, slots, positions, kc, vc, 1, 16, max_pos=47))
