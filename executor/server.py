@@ -237,11 +237,8 @@ class Api:
                 await send(delta)
             finish = "tool_calls" if reply.tool_calls and event.reason == "stop" else event.reason
             await send({}, finish)
-            if call.sampling.include_usage:
-                await resp.write(_sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                       "model": self.cfg.model_id, "choices": [], "usage": _usage(event)}))
-            await resp.write(b"data: [DONE]\n\n")
-            self._log_done(handle, event, "chat")
+            await self._close_stream(resp, handle, event, "chat", call.sampling.include_usage,
+                                     {"id": cid, "object": "chat.completion.chunk", "created": created})
         return resp
 
     # --- completions -------------------------------------------------------------------------------
@@ -298,12 +295,18 @@ class Api:
                 await resp.write(_sse(_done_error(event).body()))
                 return resp
             await resp.write(chunk("", event.reason))
-            if sampling.include_usage:
-                await resp.write(_sse({"id": cid, "object": "text_completion", "created": created,
-                                       "model": self.cfg.model_id, "choices": [], "usage": _usage(event)}))
-            await resp.write(b"data: [DONE]\n\n")
-            self._log_done(handle, event, "completions")
+            await self._close_stream(resp, handle, event, "completions", sampling.include_usage,
+                                     {"id": cid, "object": "text_completion", "created": created})
         return resp
+
+    async def _close_stream(self, resp: web.StreamResponse, handle: Handle, done: Done, endpoint: str,
+                            include_usage: bool, head: dict[str, Any]) -> None:
+        """End an SSE stream: the usage chunk when asked (`stream_options.include_usage`),
+        then `[DONE]`, and log the request."""
+        if include_usage:
+            await resp.write(_sse({**head, "model": self.cfg.model_id, "choices": [], "usage": _usage(done)}))
+        await resp.write(b"data: [DONE]\n\n")
+        self._log_done(handle, done, endpoint)
 
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -14,6 +14,8 @@ from policy.usable import BackendFacts
 from sim.cost import Profile
 from sim.invariants import Checker
 from sim.loop import SimResult, Simulation
+from sim.mooncake import read_mooncake
+from sim.scenarios import scenarios
 from sim.summary import Summary
 from sim.trace import JsonlTrace, PerfettoTrace
 from sim.workload import Workload, read_workload
@@ -33,9 +35,6 @@ def load_workload(spec: str, seed: int) -> Workload:
 
     Raises ValueError naming the spec when it matches none.
     """
-    from sim.mooncake import read_mooncake
-    from sim.scenarios import scenarios
-
     if spec.startswith("mooncake:"):
         return read_mooncake(spec.split(":", 1)[1])
     if spec.endswith(".jsonl") or Path(spec).is_file():

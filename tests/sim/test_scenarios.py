@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import attrs
 import pytest
@@ -129,10 +128,9 @@ def test_concurrent_arrivals_are_poisson_like():
     assert len(system) == 1  # one shared system prompt
 
 
-def test_mixed_default_size_and_speed():
-    t0 = time.process_time()
+def test_mixed_default_size():
+    # Generation speed is measured in bench/sim_speed.py ("load s"), not in a timed test.
     w = generate("mixed", 0)
-    assert time.process_time() - t0 < 2.0
     assert 140 <= len(w.conversations) <= 160
     kinds = {c.id.split("-")[0] for c in w.conversations}
     assert kinds == {"chat", "reasoning", "agent", "concurrent", "primers", "grid_edges"}
