@@ -137,7 +137,7 @@ def _fresh_states(backend: NumbaCudaBackend, lanes: int, ctx: int, seed: int) ->
 
 
 KERNELS = ("elementwise.embed", "elementwise.swiglu", "norms.add_rms_norm", "norms.gated_rms_norm",
-           "conv.causal_conv1d", "delta_rule.delta_prep", "delta_rule.delta_recurrence",
+           "conv.causal_conv1d", "delta_rule.delta_prep", "delta_rule.delta_recurrence", "delta_rule.delta_chunked",
            "attention_prep.kv_norm_rope_store", "attention_prep.q_norm_rope", "attention.attention")
 
 
@@ -154,9 +154,14 @@ def _timed_kernels(backend: NumbaCudaBackend, timer: CallTimer):
     gemv_labels = {id(backend.w.lm_head): "lm_head gemv"}
     nb_backend.gemv = lambda x, w, *a, **k: timer.wrap(gemv_labels.get(id(w), "gemv"), real_gemv)(x, w, *a, **k)
     backend.gemm.matmul = timer.wrap("gemm (cuBLASLt)", real_matmul)
+    mat = backend.matrix_attention
+    real_mat_prefill, real_mat_gemm = mat.prefill, mat._gemm
+    mat.prefill = timer.wrap("matrix attention (all)", real_mat_prefill)
+    mat._gemm = timer.wrap("matrix attention: QK/PV gemms", real_mat_gemm)
     try:
         yield
     finally:
+        del mat.prefill, mat._gemm
         for module, name, fn in saved:
             setattr(module, name, fn)
         nb_backend.gemv = real_gemv
@@ -228,7 +233,7 @@ def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile
         state = backend.new_state()
         s = state.slot
         args = [to_device(np.asarray(a, np.int32)) for a in (ids, np.arange(rows), np.full(rows, s), [s], [0, rows])]
-        out["profile"] = _profile(backend, lambda: backend.prefill_step(*args, rows - 1), 100.0, False)
+        out["profile"] = _profile(backend, lambda: backend.prefill_step(*args, rows - 1, slot=s), 100.0, False)
         backend.release(state)
     return out
 
@@ -340,7 +345,7 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     c = preset(name)
     long_rows = [int(e.split(":")[1]) for e in cfg.long_prefill if e.split(":")[0] == name]
     prefill_rows = list(cfg.prefill_rows) + long_rows
-    capacity = max([max(cfg.contexts) + cfg.eager_steps + cfg.graph_steps + 16] + prefill_rows)
+    capacity = max([max(cfg.contexts, default=0) + cfg.eager_steps + cfg.graph_steps + 16] + prefill_rows)
     t0 = time.perf_counter()
     w = device_weights.random(c, cfg.seed)
     backend = NumbaCudaBackend.from_device_weights(c, w, slots=max(cfg.lanes), capacity_rows=capacity)
@@ -353,6 +358,10 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     backend.decode([warm], [1])
     backend.release(warm)
     log(f"{name}: weights + pool + warm-up {time.perf_counter() - t0:.1f} s")
+    mat = backend.matrix_attention
+    result["prefill_attention"] = {"kind": backend.prefill_attention, "pinned": {f"{k[0]}@{k[1]}": v for k, v in mat.pinned.items()},
+                                   "failure": getattr(mat, "failure", None)}
+    log(f"{name}: prefill attention {result['prefill_attention']}")
     profile = name in cfg.profile
     for ctx in cfg.contexts:
         for lanes in cfg.lanes:
@@ -475,12 +484,21 @@ def main() -> None:
     parser.add_argument("--presets", help=f"comma-separated (default {','.join(defaults.presets)})")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--decode-only", action="store_true", help="skip prefill (and transformers)")
+    parser.add_argument("--prefill-only", action="store_true", help="skip decode")
+    parser.add_argument("--lanes", help=f"decode lane counts, comma-separated (default {','.join(map(str, defaults.lanes))})")
+    parser.add_argument("--contexts", help=f"decode contexts, comma-separated (default {','.join(map(str, defaults.contexts))})")
     parser.add_argument("--commit", default="", help="commit to record when git is unavailable")
     parser.add_argument("--out", type=Path, default=None, help="folder for decode_prefill.json and .md")
     args = parser.parse_args()
     changes = {"peer": not (args.no_peer or args.decode_only), "commit": args.commit}
     if args.decode_only:
         changes |= {"prefill_rows": (), "long_prefill": ()}
+    if args.lanes:
+        changes["lanes"] = tuple(int(v) for v in args.lanes.split(","))
+    if args.contexts:
+        changes["contexts"] = tuple(int(v) for v in args.contexts.split(","))
+    if args.prefill_only:
+        changes |= {"contexts": ()}
     if args.presets:
         changes["presets"] = tuple(args.presets.split(","))
     cfg = attrs.evolve(defaults, **changes)

@@ -116,7 +116,7 @@ def make_profile(key: str) -> Profile:
              f"{body:,} non-embedding params, {head:,} LM head, {body + head + embed:,} text params in all; "
              f"bf16 weights; ceilings {MATRIX_FLOPS_PER_S / 1e12:.0f} TFLOP/s x {MATRIX_EFFICIENCY} and "
              f"{COPY_BYTES_PER_S / 1e12:.1f} TB/s; overheads assumed, not measured")
-    return Profile(name=f"{key}-h200", source="analytic", gpu="NVIDIA H200", model=cfg["model"], shape=shape,
+    return Profile(name=f"{key}-h200-roofline", source="analytic", gpu="NVIDIA H200", model=cfg["model"], shape=shape,
                    invariant_rows=None, cost=cost, notes=notes)
 
 

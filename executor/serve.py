@@ -1,10 +1,14 @@
 """`python -m executor.serve`: the OpenAI-compatible server on one backend.
 
-    python -m executor.serve [--model DIR] [--backend auto|cuda|reference] [--host H]
-        [--port P] [--prompt-cache-gib G] [--request-starts | --no-request-starts]
-        [--warm-quiet-ms MS] [--lanes N] [--context ROWS] [--trace FILE] [--policy FILE.toml]
+    python -m executor.serve [--model DIR | --random-weights PRESET [--seed N]]
+        [--backend auto|cuda|reference] [--host H] [--port P] [--prompt-cache-gib G]
+        [--request-starts | --no-request-starts] [--warm-quiet-ms MS] [--lanes N]
+        [--context ROWS] [--trace FILE] [--policy FILE.toml]
 
-With no --model it serves the built-in tiny random Qwen3.5 (real tokenizer). Policy
+With no --model it serves the built-in tiny random Qwen3.5 (real tokenizer).
+--random-weights serves seeded random weights made on the GPU at a published size's shape
+(executor/presets.py) with the real Qwen3.5 tokenizer and chat template: benchmarks at
+real shapes without a checkpoint (cuda backend only). Policy
 defaults come from `PolicyConfig` (a --policy file, then these flags, override them).
 Prints the URL and a `ready URL` line on stdout (`--port 0` picks a free port); logs go
 to stderr through structlog (JSON unless stderr is a terminal); SIGINT/SIGTERM stop it.
@@ -29,9 +33,10 @@ import structlog
 from aiohttp import web
 
 from executor.backend import Backend
-from executor.chat import ChatRenderer, load_template
-from executor.config import load_config
+from executor.chat import ChatRenderer, builtin_template, load_template
+from executor.config import Qwen35Config, load_config
 from executor.model import tiny_model_dir
+from executor.presets import PRESET_NAMES, preset
 from executor.reference.backend import ReferenceBackend
 from executor.runtime import Runtime
 from executor.server import Api, ApiConfig, build_app
@@ -48,19 +53,30 @@ STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 class ServeConfig:
     """Server settings besides the policy (defaults live here).
 
-    model: checkpoint directory, or None for the built-in tiny model. backend: auto (GPU
-    when numba-cuda and a GPU are usable, else reference), cuda or reference. host/port:
-    where to listen (port 0: any free port). context_rows: most rows a request may use
-    (None: the model's max_position_embeddings, capped at gpu_context_rows on the GPU,
-    where every lane's state is allocated at full context). trace: JSONL trace file, or None.
+    model: checkpoint directory, or None for the built-in tiny model. random_weights: a
+    preset name (executor.presets.PRESET_NAMES): serve seeded random weights at that shape,
+    made on the GPU, instead of a checkpoint (dense presets, cuda backend). seed: their
+    seed, in [0, 2**32). backend: auto (GPU when numba-cuda and a GPU are usable, else
+    reference), cuda or reference. host/port: where to listen (port 0: any free port).
+    context_rows: most rows a request may use (None: the model's max_position_embeddings,
+    capped at gpu_context_rows on the GPU, where every lane's state is allocated at full
+    context). decode_graphs: on the GPU, replay each decode round as a CUDA graph (every
+    lane count up to the policy's lanes captured before the server is ready; the same
+    bits as eager launches). trace: JSONL trace file, or None.
+
+    Raises ValueError naming the field: a bad value, --model with --random-weights, an
+    unknown or MoE preset, or random weights on the reference backend.
     """
 
     model: Path | None = None
+    random_weights: str | None = None
+    seed: int = 0
     backend: str = attrs.field(default="auto", validator=attrs.validators.in_(BACKENDS))
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8000, validator=attrs.validators.and_(attrs.validators.ge(0),
                                                                            attrs.validators.le(65535)))
     context_rows: int | None = None
+    decode_graphs: bool = True
     gpu_context_rows: int = 32768
     trace: Path | None = None
     policy: PolicyConfig = attrs.field(factory=PolicyConfig)
@@ -68,12 +84,35 @@ class ServeConfig:
     def __attrs_post_init__(self) -> None:
         if self.context_rows is not None and self.context_rows <= 0:
             raise ValueError(f"context_rows must be a positive integer, got {self.context_rows}")
+        if not 0 <= self.seed < 1 << 32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed}")
+        if self.random_weights is None:
+            return
+        if self.model is not None:
+            raise ValueError("random_weights: give --model or --random-weights, not both")
+        try:
+            shape = preset(self.random_weights)
+        except ValueError as exc:  # names the known presets
+            raise ValueError(f"random_weights: {exc}") from None
+        if self.backend == "reference":
+            raise ValueError(f"random_weights: --random-weights {self.random_weights} makes its weights on the GPU "
+                             "and needs --backend cuda (or auto on a GPU machine); the reference backend serves "
+                             "--model DIR or the built-in tiny model")
+        if shape.moe is not None:
+            raise ValueError(f"random_weights: {self.random_weights} is a MoE shape; the numba-cuda backend serves "
+                             f"dense presets only ({', '.join(n for n in PRESET_NAMES if preset(n).moe is None)})")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     d, p = ServeConfig(), PolicyConfig()
     ap = argparse.ArgumentParser(prog="python -m executor.serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny model)")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in tiny model)")
+    source.add_argument("--random-weights", metavar="PRESET",
+                        help=f"serve seeded random weights at a published shape, made on the GPU (cuda backend "
+                             f"only), with the real Qwen3.5 tokenizer; one of: {', '.join(PRESET_NAMES)}")
+    ap.add_argument("--seed", type=int, default=d.seed, metavar="N",
+                    help=f"seed of --random-weights (default: {d.seed})")
     ap.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"(default: {d.backend})")
     ap.add_argument("--host", default=d.host, help=f"(default: {d.host})")
     ap.add_argument("--port", type=int, default=d.port, help=f"0 picks a free port (default: {d.port})")
@@ -87,6 +126,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--lanes", type=int, metavar="N", help=f"streams active at once (default: {p.lanes})")
     ap.add_argument("--context", type=int, metavar="ROWS",
                     help="most rows (prompt + output) per request (default: the model's max_position_embeddings)")
+    ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=d.decode_graphs,
+                    help="GPU: replay decode rounds as CUDA graphs (default: %(default)s)")
     ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL")
     ap.add_argument("--policy", type=Path, metavar="FILE.toml", help="PolicyConfig fields (flags override them)")
     return ap.parse_args(argv)
@@ -105,16 +146,19 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             changes[name] = getattr(args, flag)
     if changes:
         policy = policy.with_changes(**changes)
-    return ServeConfig(model=args.model, backend=args.backend, host=args.host, port=args.port,
-                       context_rows=args.context, trace=args.trace, policy=policy)
+    return ServeConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, backend=args.backend,
+                       host=args.host, port=args.port, context_rows=args.context, decode_graphs=args.decode_graphs,
+                       trace=args.trace, policy=policy)
 
 
-def load_backend(kind: str, model_dir: Path, cfg: ServeConfig, max_rows: int) -> tuple[Backend, str, int]:
+def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qwen35Config) -> tuple[Backend, str, int]:
     """The backend for `kind`, its name and the context rows it serves; `auto` falls back
-    to reference without a usable GPU. max_rows: the model's max_position_embeddings.
+    to reference without a usable GPU. model_dir: the checkpoint, or None for seeded
+    random weights (`cfg.seed`) at `config`'s shape, made on the GPU (no fallback).
 
-    Raises RuntimeError when `cuda` is asked for and cannot be loaded.
+    Raises RuntimeError when `cuda` (or random weights) is asked for and cannot be loaded.
     """
+    max_rows = config.max_position_embeddings
     if kind in ("auto", "cuda"):
         try:
             from executor.numba_cuda.backend import NumbaCudaBackend
@@ -124,12 +168,29 @@ def load_backend(kind: str, model_dir: Path, cfg: ServeConfig, max_rows: int) ->
                 raise RuntimeError("no usable GPU")
             rows = cfg.context_rows or min(max_rows, cfg.gpu_context_rows)
             slots = cfg.policy.lanes + 2  # the lanes, a warm pass, a restore in flight
-            return NumbaCudaBackend.from_dir(model_dir, slots=slots, capacity_rows=rows), "cuda", rows
+            if model_dir is None:
+                from executor.numba_cuda import device_weights
+
+                weights = device_weights.random(config, seed=cfg.seed)
+                backend = NumbaCudaBackend.from_device_weights(config, weights, slots=slots, capacity_rows=rows)
+            else:
+                backend = NumbaCudaBackend.from_dir(model_dir, slots=slots, capacity_rows=rows)
+            if cfg.decode_graphs:
+                backend.enable_decode_graphs(cfg.policy.lanes)
+            return backend, "cuda", rows
         except Exception as exc:  # ImportError, no GPU, a checkpoint the GPU backend cannot serve
+            if model_dir is None:
+                raise RuntimeError(f"--random-weights {cfg.random_weights} needs the cuda backend: {exc}") from exc
             if kind == "cuda":
                 raise RuntimeError(f"--backend cuda: {exc}") from exc
             log.info("gpu_backend_unavailable", reason=repr(exc))
+    assert model_dir is not None, "ServeConfig rejects random weights on the reference backend"
     return ReferenceBackend.from_dir(model_dir), "reference", cfg.context_rows or max_rows
+
+
+def random_model_id(name: str, seed: int) -> str:
+    """The served model id of random weights at preset `name`, e.g. "qwen3.5-27b-random-s0"."""
+    return f"{name.rsplit('/', 1)[-1].lower()}-random-s{seed}"
 
 
 def warm_up(backend: Backend) -> None:
@@ -153,10 +214,10 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _write_meta(cfg: ServeConfig, model_dir: Path, backend: str, context_rows: int) -> None:
+def _write_meta(cfg: ServeConfig, model: str, backend: str, context_rows: int) -> None:
     """Beside the trace: the command, commit and resolved config (as the simulator does)."""
     assert cfg.trace is not None
-    meta = {"command": sys.argv, "commit": _git_commit(), "model": str(model_dir), "backend": backend,
+    meta = {"command": sys.argv, "commit": _git_commit(), "model": model, "backend": backend,
             "context_rows": context_rows, "policy": policy_to_dict(cfg.policy)}
     cfg.trace.with_name(cfg.trace.name + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -185,20 +246,26 @@ def configure_logging() -> None:
 
 async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
     """Load the model, serve until SIGINT/SIGTERM, stop cleanly."""
-    model_dir = cfg.model or tiny_model_dir()
-    config = load_config(model_dir)
+    if cfg.random_weights is not None:
+        model_dir, config = None, preset(cfg.random_weights)
+        model_id, model_name = random_model_id(cfg.random_weights, cfg.seed), f"random:{cfg.random_weights}"
+        template = builtin_template()
+    else:
+        model_dir = cfg.model or tiny_model_dir()
+        config = load_config(model_dir)
+        model_id, model_name, template = model_dir.name, str(model_dir), load_template(model_dir)
     tokenizer, (backend, backend_name, context_rows) = await asyncio.gather(
-        asyncio.to_thread(lambda: load_tokenizer(model_dir) or default_tokenizer()),
-        asyncio.to_thread(load_backend, cfg.backend, model_dir, cfg, config.max_position_embeddings),
+        asyncio.to_thread(lambda: (model_dir and load_tokenizer(model_dir)) or default_tokenizer()),
+        asyncio.to_thread(load_backend, cfg.backend, model_dir, cfg, config),
     )
-    renderer = ChatRenderer(tokenizer, load_template(model_dir))
+    renderer = ChatRenderer(tokenizer, template)
     await asyncio.to_thread(warm_up, backend)
     stop_ids = set(config.eos_token_ids) | {t for name in STOP_TOKENS if (t := tokenizer.token_to_id(name)) is not None}
     trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
     if cfg.trace:
-        _write_meta(cfg, model_dir, backend_name, context_rows)
+        _write_meta(cfg, model_name, backend_name, context_rows)
     runtime = Runtime(backend, tokenizer, cfg.policy, trace=trace)
-    api = Api(runtime, renderer, ApiConfig(model_id=model_dir.name, context_rows=context_rows,
+    api = Api(runtime, renderer, ApiConfig(model_id=model_id, context_rows=context_rows,
                                            stop_ids=frozenset(stop_ids)))
     runner = web.AppRunner(build_app(api), handler_cancellation=True, access_log=None)
     stop = asyncio.Event()
@@ -213,9 +280,9 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
         await site.start()
         port = runner.addresses[0][1]
         url = f"http://{cfg.host}:{port}"
-        print(f"serving {model_dir.name} on the {backend_name} backend at {url}/v1", file=out, flush=True)
+        print(f"serving {model_id} on the {backend_name} backend at {url}/v1", file=out, flush=True)
         print(f"ready {url}", file=out, flush=True)
-        log.info("ready", url=url, model=str(model_dir), backend=backend_name, context_rows=context_rows,
+        log.info("ready", url=url, model=model_name, backend=backend_name, context_rows=context_rows,
                  policy=format_policy(cfg.policy).strip().replace("\n", "; "))
         await stop.wait()
         log.info("stopping")
@@ -242,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging()
     try:
         asyncio.run(serve(cfg))
-    except OSError as exc:  # e.g. the port is taken
+    except (OSError, RuntimeError) as exc:  # e.g. the port is taken, no usable GPU for --backend cuda
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -18,7 +18,7 @@ from sim.cost import load_profile
 from sim.invariants import InvariantBroken
 from sim.summary import format_table, format_value, summary_table
 
-DEFAULT_PROFILE = "qwen3.5-9b-h200"
+DEFAULT_PROFILE = "qwen3.5-9b-h200-roofline"
 
 
 def _common(p: argparse.ArgumentParser) -> None:

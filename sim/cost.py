@@ -1,4 +1,4 @@
-"""Profiles and the cost model: seconds for a prefill chunk, a decode round and a keep on one GPU.
+"""Profiles and the cost model: seconds for a prefill chunk, a decode round, a keep and a restore on one GPU.
 
 A profile (JSON, format in sim/README.md) holds a model shape and cost terms in one of two
 forms: "analytic" coefficients (derived from a model config and GPU ceilings by
@@ -9,6 +9,7 @@ interpolated. Not here: the simulator's clock and scheduling (`sim.loop`).
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from policy.shape import ModelShape
 from policy.usable import BackendFacts
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
-DEFAULT_PROFILE = "qwen3.5-9b-h200"
+DEFAULT_PROFILE = "qwen3.5-9b-h200-roofline"
 SOURCES = ("analytic", "measured")
 
 
@@ -84,8 +85,11 @@ class AnalyticCost:
 class Grid:
     """Measured seconds over a 2-D grid: seconds[i][j] at (x[i], y[j]), axes strictly ascending.
 
-    `at(x, y)` interpolates bilinearly; below an axis's first point it holds the edge value,
-    above its last it extends the last segment linearly; never below 0.
+    `at(x, y)` interpolates bilinearly; below an axis's first point it holds the edge value;
+    above the last y it extends the last segment linearly; above the last x it scales the
+    value at the last x by x / x_last (work grows with rows: a linear extension of the last
+    x segment, whose slope can shrink as y grows, would make cost fall with context);
+    never below 0. Non-decreasing in both axes when the table is.
     """
 
     x: tuple[float, ...]
@@ -94,11 +98,36 @@ class Grid:
 
     def at(self, x: float, y: float) -> float:
         """Interpolated seconds at (x, y)."""
+        if len(self.x) > 1 and x > self.x[-1]:
+            return self.at(self.x[-1], y) * (x / self.x[-1])
         (i0, i1, wi), (j0, j1, wj) = _weights(self.x, x), _weights(self.y, y)
         s = self.seconds
-        low = (1 - wj) * s[i0][j0] + wj * s[i0][j1]
-        high = (1 - wj) * s[i1][j0] + wj * s[i1][j1]
-        return max(0.0, (1 - wi) * low + wi * high)
+        low = _lerp(s[i0][j0], s[i0][j1], wj)
+        high = _lerp(s[i1][j0], s[i1][j1], wj)
+        return max(0.0, _lerp(low, high, wi))
+
+
+@attrs.frozen(kw_only=True)
+class Curve:
+    """Measured seconds over one axis: seconds[i] at x[i] (bytes), x strictly ascending.
+
+    `at(x)` interpolates linearly; below the first point it holds the first value, above
+    the last it extends the last segment; never below 0.
+    """
+
+    x: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def at(self, x: float) -> float:
+        """Interpolated seconds at x."""
+        i0, i1, w = _weights(self.x, x)
+        return max(0.0, _lerp(self.seconds[i0], self.seconds[i1], w))
+
+
+def _lerp(a: float, b: float, w: float) -> float:
+    """a + w (b - a): exactly a when a == b (the form (1 - w) a + w b can miss it by an ulp,
+    which made equal table rows look non-monotone), and non-decreasing in w when b >= a."""
+    return a + w * (b - a)
 
 
 def _weights(axis: tuple[float, ...], v: float) -> tuple[int, int, float]:
@@ -111,11 +140,14 @@ def _weights(axis: tuple[float, ...], v: float) -> tuple[int, int, float]:
 @attrs.frozen(kw_only=True)
 class TableCost:
     """Measured points: prefill seconds over (chunk rows, prior context rows); decode-round
-    seconds over (lanes, mean context rows); keeps at copy_bytes_per_s."""
+    seconds over (lanes, mean context rows); keep (snapshot) and restore seconds over a kept
+    state's bytes when measured, else bytes / copy_bytes_per_s."""
 
     prefill: Grid
     decode: Grid
     copy_bytes_per_s: float
+    keep: Curve | None = None
+    restore: Curve | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -124,7 +156,8 @@ class Profile:
 
     name; source: "analytic" or "measured"; gpu; model (e.g. "Qwen/Qwen3.5-9B"); shape: the
     ModelShape that prices states; invariant_rows: the backend's proven invariant grid or None;
-    cost: AnalyticCost or TableCost; notes: free text (where the numbers come from).
+    cost: AnalyticCost or TableCost; notes: free text (where the numbers come from);
+    provenance: (key, value) strings of a measurement (commit, command, date, backend, ...).
     """
 
     name: str
@@ -135,6 +168,7 @@ class Profile:
     invariant_rows: int | None
     cost: AnalyticCost | TableCost
     notes: str = ""
+    provenance: tuple[tuple[str, str], ...] = ()
     _row_bytes: int = attrs.field(init=False, repr=False, eq=False)
     _fixed_bytes: int = attrs.field(init=False, repr=False, eq=False)
 
@@ -235,13 +269,31 @@ class Profile:
         return rounds, t
 
     def keep_s(self, nbytes: int) -> float:
-        """Seconds to copy a kept state of `nbytes` bytes from the device to the pool: bytes / bw.
+        """Seconds to snapshot a kept state of `nbytes` bytes into the prompt cache.
 
+        Analytic, or a table without a keep curve: bytes / copy_bytes_per_s. Table with a
+        keep curve: the curve at nbytes (measured snapshots, fixed costs included).
         Raises ValueError: nbytes < 0.
         """
         if nbytes < 0:
             raise ValueError(f"keep_s needs nbytes >= 0, got {nbytes}")
-        return nbytes / self.cost.copy_bytes_per_s
+        c = self.cost
+        if isinstance(c, TableCost) and c.keep is not None:
+            return c.keep.at(nbytes)
+        return nbytes / c.copy_bytes_per_s
+
+    def restore_s(self, nbytes: int) -> float:
+        """Seconds to restore a kept state of `nbytes` bytes into a stream before it resumes.
+
+        A table with a restore curve: the curve at nbytes; otherwise keep_s(nbytes).
+        Raises ValueError: nbytes < 0.
+        """
+        if nbytes < 0:
+            raise ValueError(f"restore_s needs nbytes >= 0, got {nbytes}")
+        c = self.cost
+        if isinstance(c, TableCost) and c.restore is not None:
+            return c.restore.at(nbytes)
+        return self.keep_s(nbytes)
 
 
 def _cost_from_dict(obj: Any) -> AnalyticCost | TableCost:
@@ -256,23 +308,36 @@ def _cost_from_dict(obj: Any) -> AnalyticCost | TableCost:
         _number(obj, "matrix_efficiency", where, hi=1.0, open_lo=True)
         return AnalyticCost(**values)
     if form == "table":
-        _keys(obj, where, ["form", "prefill", "decode", "copy_bytes_per_s"])
+        _keys(obj, where, ["form", "prefill", "decode", "copy_bytes_per_s"], ["keep", "restore"])
+        curves = {k: _curve(obj[k], f"cost.{k}.") for k in ("keep", "restore") if k in obj}
         return TableCost(prefill=_grid(obj["prefill"], "cost.prefill.", "rows", "context"),
                          decode=_grid(obj["decode"], "cost.decode.", "lanes", "context"),
-                         copy_bytes_per_s=_number(obj, "copy_bytes_per_s", where, open_lo=True))
+                         copy_bytes_per_s=_number(obj, "copy_bytes_per_s", where, open_lo=True), **curves)
     raise ValueError(f"cost.form: must be \"analytic\" or \"table\", got {form!r}")
+
+
+def _axis(obj: dict[str, Any], where: str, name: str) -> tuple[float, ...]:
+    axis = obj[name]
+    ok = isinstance(axis, list) and axis and all(_is_number(v) and v >= 0 for v in axis)
+    if not ok or any(a >= b for a, b in itertools.pairwise(axis)):
+        raise ValueError(f"{where}{name}: must be a non-empty, strictly ascending list of numbers >= 0, "
+                         f"got {axis!r}")
+    return tuple(float(v) for v in axis)
+
+
+def _curve(obj: Any, where: str) -> Curve:
+    _keys(obj, where, ["bytes", "seconds"])
+    x = _axis(obj, where, "bytes")
+    seconds = obj["seconds"]
+    ok = isinstance(seconds, list) and len(seconds) == len(x) and all(_is_number(v) and v >= 0 for v in seconds)
+    if not ok:
+        raise ValueError(f"{where}seconds: must be {len(x)} numbers >= 0 (one per bytes point), got {seconds!r}")
+    return Curve(x=x, seconds=tuple(float(v) for v in seconds))
 
 
 def _grid(obj: Any, where: str, x_name: str, y_name: str) -> Grid:
     _keys(obj, where, [x_name, y_name, "seconds"])
-    axes = []
-    for name in (x_name, y_name):
-        axis = obj[name]
-        ok = isinstance(axis, list) and axis and all(_is_number(v) and v >= 0 for v in axis)
-        if not ok or any(a >= b for a, b in zip(axis, axis[1:])):
-            raise ValueError(f"{where}{name}: must be a non-empty, strictly ascending list of numbers >= 0, "
-                             f"got {axis!r}")
-        axes.append(tuple(float(v) for v in axis))
+    axes = [_axis(obj, where, x_name), _axis(obj, where, y_name)]
     table = obj["seconds"]
     if not isinstance(table, list) or len(table) != len(axes[0]):
         raise ValueError(f"{where}seconds: must be a list of {len(axes[0])} rows (one per {x_name} point)")
@@ -286,10 +351,13 @@ def _grid(obj: Any, where: str, x_name: str, y_name: str) -> Grid:
 
 def profile_from_dict(obj: Any) -> Profile:
     """A Profile from its JSON object (sim/README.md). Raises ValueError naming the field."""
-    _keys(obj, "", ["name", "source", "gpu", "model", "shape", "invariant_rows", "cost"], ["notes"])
+    _keys(obj, "", ["name", "source", "gpu", "model", "shape", "invariant_rows", "cost"], ["notes", "provenance"])
     for key in ("name", "gpu", "model", "notes"):
         if key in obj and not isinstance(obj[key], str):
             raise ValueError(f"{key}: must be a string, got {obj[key]!r}")
+    prov = obj.get("provenance", {})
+    if not isinstance(prov, dict) or not all(isinstance(v, str) for v in prov.values()):
+        raise ValueError(f"provenance: must be a JSON object of strings, got {prov!r}")
     if obj["source"] not in SOURCES:
         raise ValueError(f"source: must be one of {SOURCES}, got {obj['source']!r}")
     g = obj["invariant_rows"]
@@ -302,7 +370,8 @@ def profile_from_dict(obj: Any) -> Profile:
     except (ValueError, TypeError) as e:
         raise ValueError(f"shape.{e}") from None
     return Profile(name=obj["name"], source=obj["source"], gpu=obj["gpu"], model=obj["model"], shape=model_shape,
-                   invariant_rows=g, cost=_cost_from_dict(obj["cost"]), notes=obj.get("notes", ""))
+                   invariant_rows=g, cost=_cost_from_dict(obj["cost"]), notes=obj.get("notes", ""),
+                   provenance=tuple(prov.items()))
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
@@ -316,9 +385,15 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
                             "seconds": [list(r) for r in c.prefill.seconds]},
                 "decode": {"lanes": list(c.decode.x), "context": list(c.decode.y),
                            "seconds": [list(r) for r in c.decode.seconds]}}
-    return {"name": profile.name, "source": profile.source, "gpu": profile.gpu, "model": profile.model,
-            "invariant_rows": profile.invariant_rows, "shape": attrs.asdict(profile.shape), "cost": cost,
-            "notes": profile.notes}
+        for key, curve in (("keep", c.keep), ("restore", c.restore)):
+            if curve is not None:
+                cost[key] = {"bytes": list(curve.x), "seconds": list(curve.seconds)}
+    out = {"name": profile.name, "source": profile.source, "gpu": profile.gpu, "model": profile.model,
+           "invariant_rows": profile.invariant_rows, "shape": attrs.asdict(profile.shape), "cost": cost,
+           "notes": profile.notes}
+    if profile.provenance:
+        out["provenance"] = dict(profile.provenance)
+    return out
 
 
 def list_profiles() -> tuple[str, ...]:

@@ -168,11 +168,11 @@ class Simulation:
             run = step.prefill
             t += p.prefill_s(run.chunk.rows, run.chunk.start)
             if run.restore is not None:
-                t += p.keep_s(state_bytes(p.shape, run.restore.row))
+                t += p.restore_s(state_bytes(p.shape, run.restore.row))
             if run.keep is not None:
                 t += p.keep_s(state_bytes(p.shape, run.keep.row))
         for _, entry in step.restores:
-            t += p.keep_s(state_bytes(p.shape, entry.row))
+            t += p.restore_s(state_bytes(p.shape, entry.row))
         return t
 
     def _decode_span(self, step: Step, now: float) -> tuple[Step, float]:

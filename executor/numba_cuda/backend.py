@@ -3,9 +3,12 @@
 
 Numerics: weights bf16, residual stream fp32, every GEMM input bf16 and output fp32.
 Prefill GEMMs run on cuBLASLt with a pinned row-invariant algorithm at every row count;
-decode GEMMs and the LM head on the row-invariant GEMV at every lane count. Every other
-kernel computes a row independently of the chunk or lane set, so prefill rows are
-chunk-invariant (`facts`). Wiring mirrors executor/reference/backend.py; the kernels live
+prefill attention on the tensor cores (attention_mm.py: pinned cuBLASLt QK^T and PV, a row's
+bits independent of its chunk and tile); the prefill delta rule in its chunked form with
+64-row sub-chunks at absolute multiples of 64 (delta_rule.delta_chunked); decode GEMMs and
+the LM head on the row-invariant GEMV at every lane count, the decode delta rule as the
+one-row recurrence. Every other kernel computes a row independently of the chunk or lane
+set, so prefill rows are chunk-invariant on the 64-row grid (`facts`). Wiring mirrors executor/reference/backend.py; the kernels live
 in their own modules here, the device weights in device_weights.py, CUDA graphs of the
 decode step in graphs.py.
 """
@@ -19,6 +22,7 @@ import numpy as np
 
 from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import attention, attention_prep, conv, delta_rule, device_weights, elementwise, norms
+from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import empty, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
 from executor.numba_cuda.gemm import Gemm
@@ -73,6 +77,27 @@ class NumbaCudaBackend:
         self.config: Qwen35Config = config
         self.pool = StatePool(config, slots, capacity_rows)
         self.gemm = Gemm()
+        self.matrix_attention = MatrixAttention()
+        self._matrix_ok: bool | None = None
+        self._graphs = None
+
+    def enable_decode_graphs(self, lanes: int = 0) -> None:
+        """Make `decode` replay CUDA graphs of the step (graphs.DecodeGraphs: the same bits as
+        the eager step, tested); lane counts 1..lanes are captured now, others on first use."""
+        if self._graphs is None:
+            from executor.numba_cuda.graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self)
+        self._graphs.prepare(range(1, lanes + 1))
+
+    @property
+    def prefill_attention(self) -> str:
+        """Which prefill attention runs: "matrix" (cuBLASLt tensor cores, attention_mm.py)
+        when both its GEMMs have a pinned invariant algorithm at this head_dim, else "cuda-core"
+        (attention.py). Decided once, on first use."""
+        if self._matrix_ok is None:
+            self._matrix_ok = self.matrix_attention.ready(self.config.head_dim)
+        return "matrix" if self._matrix_ok else "cuda-core"
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs) -> "NumbaCudaBackend":
@@ -96,7 +121,7 @@ class NumbaCudaBackend:
 
     # layers ---------------------------------------------------------------------------
 
-    def _linear_attention(self, i: int, li: int, h, mm, row_start, slots, stream):
+    def _linear_attention(self, i: int, li: int, h, mm, row_start, slots, at, stream):
         c, w = self.config, self.w.layers[i]
         ch, vd, vh = c.conv_channels, c.linear_value_dim, c.linear_num_value_heads
         proj = mm(h, w["in_proj"], stream=stream)  # [rows, ch + vd + 2 vh]: qkv | z | b | a
@@ -105,13 +130,16 @@ class NumbaCudaBackend:
         a = proj[:, ch + vd + vh :]
         qn, kn, g, beta = delta_rule.delta_prep(mixed, a, b, w["a_log"], w["dt_bias"], c.linear_num_key_heads,
                                                 c.linear_key_head_dim, stream=stream)
-        out = delta_rule.delta_recurrence(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, row_start, slots,
-                                          self.pool.recurrent[li], stream=stream)
+        if at is None:  # decode: one row per lane, the recurrent step
+            out = delta_rule.delta_recurrence(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, row_start, slots,
+                                              self.pool.recurrent[li], stream=stream)
+        else:  # prefill: the chunked form, sub-chunks anchored at absolute multiples of 64
+            out = delta_rule.delta_chunked(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
+                                           self.pool.recurrent[li], stream=stream)
         gated = norms.gated_rms_norm(out, proj[:, ch : ch + vd], w["norm"], c.rms_norm_eps, stream=stream)
         return mm(gated, w["out_proj"], stream=stream)
 
-    def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, decode: bool,
-                        stream):
+    def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, at, stream):
         """K/V for every row; q, attention and o_proj for rows [first, rows) (None if empty)."""
         c, w = self.config, self.w.layers[i]
         kv = mm(h, w["kv_proj"], stream=stream)
@@ -127,20 +155,28 @@ class NumbaCudaBackend:
         qg = mm(h, w["q_proj"], stream=stream)
         q = attention_prep.q_norm_rope(qg, w["q_norm"], self.w.freqs, positions, c.rms_norm_eps,
                                        c.num_attention_heads, c.head_dim, stream=stream)
-        tile, split = (1, attention.DECODE_SPLIT_ROWS) if decode else (attention.TILE_ROWS, attention.PREFILL_SPLIT_ROWS)
-        out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, tile, split, stream=stream)
+        if at is None:
+            out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, 1, attention.DECODE_SPLIT_ROWS,
+                                      stream=stream)
+        elif self.prefill_attention == "matrix":
+            out = self.matrix_attention.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
+        else:
+            out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, attention.TILE_ROWS,
+                                      attention.PREFILL_SPLIT_ROWS, stream=stream)
         return mm(out, w["o_proj"], stream=stream)
 
-    def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, decode: bool, first_tail: int,
+    def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, at, first_tail: int,
                  want_logits: bool, stream=0):
         """Run the rows through every layer; returns device logits f32 [lanes or 1, vocab]
         or None.
 
         ids, positions, row_slots: i32 device [rows]; lane_slots: i32 [lanes]; row_start:
         i32 [lanes + 1]; max_pos: at least the largest position (sizes the decode
-        attention's split grid; a larger value changes no bit); first_tail: the last
+        attention's split grid; a larger value changes no bit); at: None for a decode
+        round, else (slot, first absolute row) of a one-stream prefill chunk; first_tail: the last
         layer's first tail row (relative). Every launch and buffer is on `stream`."""
         c = self.config
+        decode = at is None
         mm = gemv if decode else self.gemm.matmul
         x = elementwise.embed(ids, self.w.embed, stream=stream)
         delta = None
@@ -151,10 +187,10 @@ class NumbaCudaBackend:
             h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta, stream=stream)
             first = first_tail if i == last else 0
             if kind == FULL:
-                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, decode, stream)
+                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream)
                 full += 1
             else:
-                y = self._linear_attention(i, lin, h, mm, row_start, lane_slots, stream)
+                y = self._linear_attention(i, lin, h, mm, row_start, lane_slots, at, stream)
                 lin += 1
             if y is None:
                 return None
@@ -198,18 +234,24 @@ class NumbaCudaBackend:
         n = end - start
         logits = self._forward(
             _i32(ids), _i32(np.arange(start, end)), _i32(np.full(n, state.slot)), _i32([state.slot]), _i32([0, n]),
-            end - 1, False, tail_from - start, want_logits,
+            end - 1, (state.slot, start), tail_from - start, want_logits,
         )
         logits = None if logits is None else logits.copy_to_host()
         state.rows = end
         state.logits = None if logits is None else logits[0]
         return None if logits is None else logits[0].copy()
 
-    def prefill_step(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, stream=0):
-        """Launch a whole prefill chunk (no tail) from device inputs, as `prefill` does, and
-        return the device logits f32 [1, vocab] of its last row; no checks, and the
-        `DeviceState` is not advanced (benchmarks and profiles time this)."""
-        return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, False, 0, True, stream)
+    def prefill_step(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, stream=0,
+                     slot: int | None = None):
+        """Launch a whole prefill chunk (no tail) of one stream from device inputs, as `prefill`
+        does, and return the device logits f32 [1, vocab] of its last row; no checks, and the
+        `DeviceState` is not advanced (benchmarks and profiles time this). The chunk's rows
+        are positions [max_pos + 1 - rows, max_pos]; slot: the stream's slot (host int; read
+        from lane_slots, a device sync, when None)."""
+        if slot is None:
+            slot = int(lane_slots.copy_to_host()[0])
+        at = (slot, max_pos + 1 - ids.shape[0])
+        return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, at, 0, True, stream)
 
     def decode_inputs(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
         """Check a decode round's arguments; returns host i32 (token ids, positions, slots),
@@ -230,7 +272,7 @@ class NumbaCudaBackend:
         """Launch one decode round on `stream` from device inputs (i32 [lanes]: token ids,
         positions, slots; row_start i32 [lanes + 1] = 0..lanes); returns device logits
         f32 [lanes, vocab]. Advances the pool's states; the caller advances `DeviceState`s."""
-        return self._forward(ids, positions, slots, slots, row_start, max_pos, True, 0, True, stream)
+        return self._forward(ids, positions, slots, slots, row_start, max_pos, None, 0, True, stream)
 
     @staticmethod
     def advance(states: Sequence[DeviceState], logits: np.ndarray) -> None:
@@ -241,7 +283,10 @@ class NumbaCudaBackend:
 
     def decode(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> np.ndarray:
         """See `Backend.decode`. Every lane runs the same per-row kernels; a lane's bits
-        do not depend on the other lanes (graphs.DecodeGraphs replays the same step)."""
+        do not depend on the other lanes (graphs.DecodeGraphs replays the same step, and
+        does so here after `enable_decode_graphs`)."""
+        if self._graphs is not None:
+            return self._graphs.decode(states, token_ids)
         ids, positions, slots = self.decode_inputs(states, token_ids)
         lanes = len(states)
         logits = self.decode_step(_i32(ids), _i32(positions), _i32(slots), _i32(range(lanes + 1)),

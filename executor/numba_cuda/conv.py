@@ -3,7 +3,10 @@ row per lane, from and into each stream's carried conv tail.
 
 The conv input is rounded to bf16 on read (the tail is stored in bf16, DESIGN state
 bytes), so a row's bits are the same whether its predecessors came from this chunk or
-from the tail: conv is chunk-invariant at every cut. Twin: ops.causal_conv1d.
+from the tail: conv is chunk-invariant at every cut. Two launches: the conv, one thread
+per (tile of ROW_TILE rows, channel) (per (row, channel) in decode), each row finding its
+lane in row_start; then the tail update, one thread per (lane, channel), queued after it
+on the same stream so the conv reads the old tails. Twin: ops.causal_conv1d.
 """
 
 from __future__ import annotations
@@ -13,34 +16,68 @@ import math
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import THREADS, bf16_to_f32, blocks, check, empty, f32_to_bf16
+from executor.numba_cuda.device import (
+    THREADS,
+    bf16_to_f32,
+    blocks,
+    check,
+    empty,
+    f32_to_bf16,
+)
 
+ROW_TILE = 8
+"""Consecutive rows of one channel each conv thread computes in prefill (1 in decode)."""
 _F32 = np.float32
 
 
 @cuda.jit
-def _conv_kernel(x, row_start, slots, weight, tails, out):
+def _conv_kernel(x, row_start, slots, weight, tails, row_tile, out):
     # x: [rows, channels] f32 (may be a column slice); row_start: [lanes + 1] i32
     # slots: [lanes] i32; weight: [channels, kernel] f32; tails: [slots, kernel - 1, channels] bf16
-    c = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
-    lane = cuda.blockIdx.y
-    channels = x.shape[1]
-    if c >= channels:
+    # out: [rows, channels] f32; thread (tile, c) computes rows [tile * row_tile, + row_tile) of c
+    c = cuda.blockIdx.y * THREADS + cuda.threadIdx.x
+    r0 = cuda.blockIdx.x * row_tile
+    lanes = slots.shape[0]
+    end = row_start[lanes]
+    if c >= x.shape[1] or r0 >= end:
         return
-    slot = slots[lane]
-    row0 = row_start[lane]
-    rows = row_start[lane + 1] - row0
     keep = weight.shape[1] - 1
-    for t in range(rows):
+    lane = 0
+    hi = lanes  # row_start[lane] <= r0 < row_start[hi]
+    while hi - lane > 1:
+        mid = (lane + hi) // 2
+        if row_start[mid] <= r0:
+            lane = mid
+        else:
+            hi = mid
+    for r in range(r0, min(r0 + row_tile, end)):
+        while r >= row_start[lane + 1]:
+            lane += 1
+        slot = slots[lane]
+        row0 = row_start[lane]
         acc = _F32(0.0)
         for j in range(keep + 1):
-            p = t + j
+            p = r - row0 + j
             if p < keep:
                 v = bf16_to_f32(tails[slot, p, c])
             else:
                 v = bf16_to_f32(f32_to_bf16(x[row0 + p - keep, c]))
             acc += weight[c, j] * v
-        out[row0 + t, c] = acc / (_F32(1.0) + math.exp(-acc))
+        out[r, c] = acc / (_F32(1.0) + math.exp(-acc))
+
+
+@cuda.jit
+def _tail_kernel(x, row_start, slots, tails):
+    # x: [rows, channels] f32; row_start: [lanes + 1] i32; slots: [lanes] i32
+    # tails: [slots, kernel - 1, channels] bf16 -> the last kernel - 1 rows of concat(tail, bf16(x))
+    c = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+    lane = cuda.blockIdx.y
+    if c >= x.shape[1]:
+        return
+    slot = slots[lane]
+    row0 = row_start[lane]
+    rows = row_start[lane + 1] - row0
+    keep = tails.shape[1]
     for i in range(keep):
         p = rows + i
         if p < keep:
@@ -56,7 +93,10 @@ def causal_conv1d(x, row_start, slots, weight, tails, out=None, stream=0):
     [row_start[l], row_start[l + 1])); row_start: i32 [lanes + 1]; slots: i32 [lanes]
     (each lane's stream slot, distinct); weight: f32 [channels, kernel];
     tails: uint16 (bf16) [slots, kernel - 1, channels] (one layer, updated in place).
-    Returns f32 [rows, channels]. Twin: ops.causal_conv1d (tail and x rounded to bf16).
+    Returns f32 [rows, channels]. Each output is sum_j weight[c, j] * bf16(input) over
+    j = 0..kernel-1 in order, then SiLU, whatever tile or chunk the row sits in.
+    Raises ValueError when weight, tails or row_start do not fit x.
+    Twin: ops.causal_conv1d (tail and x rounded to bf16).
     """
     check("x", x, np.float32, 2)
     check("weight", weight, np.float32, 2)
@@ -69,5 +109,9 @@ def causal_conv1d(x, row_start, slots, weight, tails, out=None, stream=0):
         raise ValueError(f"row_start has {row_start.shape[0]} entries for {lanes} lanes")
     out = empty((rows, channels), np.float32, stream) if out is None else out
     if rows and lanes:
-        _conv_kernel[(blocks(channels), lanes), THREADS, stream](x, row_start, slots, weight, tails, out)
+        row_tile = 1 if rows <= lanes else ROW_TILE
+        _conv_kernel[(blocks(rows, row_tile), blocks(channels)), THREADS, stream](
+            x, row_start, slots, weight, tails, row_tile, out
+        )
+        _tail_kernel[(blocks(channels), lanes), THREADS, stream](x, row_start, slots, tails)
     return out

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
+import threading
 
 import numpy as np
 from numba import cuda
@@ -90,15 +92,107 @@ class StepBuffers:
 _step: contextvars.ContextVar[tuple[StepBuffers, bool] | None] = contextvars.ContextVar("warmstate_step", default=None)
 
 
+def _size_class(nbytes: int) -> int:
+    """Bytes of the pool block that serves `nbytes`: 512-byte steps up to 64 KiB, then
+    quarter steps between powers of two (at most 25% of a block unused)."""
+    if nbytes <= 1 << 16:
+        return -(-nbytes // 512) * 512
+    step = 1 << (nbytes.bit_length() - 3)
+    return -(-nbytes // step) * step
+
+
+class DevicePool:
+    """A stream-ordered cache of device memory behind `empty` (as PyTorch's caching
+    allocator): an array's block goes back to the pool when the array and every view of
+    it are gone, and the next `empty` of that size class reuses it at once. Safe because
+    every launch here is ordered after the earlier ones (one stream, or blocking streams
+    with the legacy default stream), so work queued on the old array runs first.
+
+    Why: numba allocates each array with cuMemAlloc and frees in batches of ten with
+    cuMemFree, which waits for the device, so a prefill chunk of a few rows (hundreds of
+    small buffers) was bound by allocation round trips, not by its kernels. Free blocks
+    are kept up to `limit_bytes`; past it a returned block is freed. On an allocation
+    failure the free blocks are released and the allocation tried once more.
+    Enabled unless WARMSTATE_DEVICE_POOL=0; the simulator never pools.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.cached_bytes = 0
+        self.hits = self.misses = 0
+        self._free: dict[int, list] = {}
+        self._live: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def _block(self, size: int):
+        with self._lock:
+            blocks = self._free.get(size)
+            if blocks:
+                self.cached_bytes -= size
+                self.hits += 1
+                return blocks.pop()
+            self.misses += 1
+        try:
+            return cuda.device_array(size, np.uint8)
+        except Exception:  # noqa: BLE001 - out of memory: give the cached blocks back and retry once
+            self.release()
+            return cuda.device_array(size, np.uint8)
+
+    def _give(self, key: int, block) -> None:
+        with self._lock:
+            self._live.pop(key, None)
+            size = block.shape[0]
+            if self.cached_bytes + size <= self.limit_bytes:
+                self._free.setdefault(size, []).append(block)
+                self.cached_bytes += size
+
+    def release(self) -> None:
+        """Free every cached block now."""
+        with self._lock:
+            self._free.clear()
+            self.cached_bytes = 0
+        cuda.synchronize()
+        cuda.current_context().deallocations.clear()
+
+    def array(self, shape: tuple, dtype: np.dtype, stream=0):
+        """A C-contiguous device array of `shape` and `dtype` on a pooled block."""
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        from numba.cuda.cudadrv.driver import AutoFreePointer
+
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        block = self._block(_size_class(nbytes))
+        root = block.gpu_data
+        with self._lock:
+            key = self._next
+            self._next += 1
+        mem = AutoFreePointer(root.context, root.device_pointer, nbytes, finalizer=functools.partial(self._give, key, block))
+        with self._lock:
+            self._live[key] = mem  # the views hold only weak proxies: keep it until they are gone
+        strides, acc = [], dtype.itemsize
+        for d in reversed(shape):
+            strides.append(acc)
+            acc *= d
+        return DeviceNDArray(shape, tuple(reversed(strides)), dtype, stream=stream, gpu_data=mem.own())
+
+
+POOL = None if IS_SIMULATOR or os.environ.get("WARMSTATE_DEVICE_POOL", "1") == "0" else DevicePool(
+    int(float(os.environ.get("WARMSTATE_DEVICE_POOL_GIB", "16")) * (1 << 30)))
+"""The process's device pool (None: plain numba allocations)."""
+
+
 def empty(shape, dtype, stream=0):
     """A new device array (uninitialised; poisoned inside `poisoned()`; the recorded one
-    inside `StepBuffers.replaying()`)."""
+    inside `StepBuffers.replaying()`; from `POOL` when it is on)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in (shape if isinstance(shape, tuple) else (shape,)))
     step = _step.get()
     if step is not None and step[1]:
         return step[0]._take(shape, dtype)
-    array = cuda.device_array(shape, dtype=dtype, stream=stream)
+    if POOL is not None and all(shape):
+        array = POOL.array(shape, dtype, stream)
+    else:
+        array = cuda.device_array(shape, dtype=dtype, stream=stream)
     if _poison.get() and array.size:
         array.copy_to_device(np.full(array.shape, _poison_value(dtype), dtype=dtype), stream=stream)
     if step is not None:

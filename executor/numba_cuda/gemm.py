@@ -47,6 +47,24 @@ def _set(setter, obj, attr: int, value, dtype) -> None:
     setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
 
+def without_split_k(results: np.ndarray, count: int) -> list[np.ndarray]:
+    """The algorithms (64-byte cublasLtMatmulAlgo_t as uint64[8]) of the first `count`
+    heuristic results in `results` (HEURISTIC_BYTES each) that succeeded and do not split
+    K (a split-K reduction's order depends on the shape)."""
+    out = []
+    for i in range(count):
+        row = results[i * HEURISTIC_BYTES : (i + 1) * HEURISTIC_BYTES]
+        if row[72:76].view(np.int32)[0] != 0:  # state != CUBLAS_STATUS_SUCCESS
+            continue
+        algo = np.array(row[:64].view(np.uint64))
+        splitk = np.zeros(1, np.uint32)
+        written = np.zeros(1, np.uint64)
+        lt.matmul_algo_config_get_attribute(algo.ctypes.data, 2, splitk.ctypes.data, 4, written.ctypes.data)
+        if splitk[0] <= 1:
+            out.append(algo)
+    return out
+
+
 class Gemm:
     """cuBLASLt handle, workspace and pinned algorithms of one device.
 
@@ -90,18 +108,7 @@ class Gemm:
             )
         finally:
             lt.matmul_preference_destroy(pref)
-        out = []
-        for i in range(int(count[0])):
-            row = results[i * HEURISTIC_BYTES : (i + 1) * HEURISTIC_BYTES]
-            if row[72:76].view(np.int32)[0] != 0:  # state != CUBLAS_STATUS_SUCCESS
-                continue
-            algo = np.array(row[:64].view(np.uint64))
-            splitk = np.zeros(1, np.uint32)
-            written = np.zeros(1, np.uint64)
-            lt.matmul_algo_config_get_attribute(algo.ctypes.data, 2, splitk.ctypes.data, 4, written.ctypes.data)
-            if splitk[0] <= 1:
-                out.append(algo)
-        return out
+        return without_split_k(results, int(count[0]))
 
     def _run(self, algo: np.ndarray, x, w, out, stream=0) -> None:
         m, k = x.shape
@@ -121,7 +128,7 @@ class Gemm:
         if key in self._algos:
             return self._algos[key]
         rng = np.random.default_rng(seed)
-        bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+        bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
         w = to_device(bits((n, k)))
         x = to_device(bits((REFERENCE_ROWS, k)))
         tried = []

@@ -5,7 +5,9 @@ lane count runs the step eagerly once to record its buffers (the lanes' recurren
 conv state saved before and put back after, so the round is not applied twice), then
 captures the same launches on a private stream into a graph; each round at that lane
 count copies its inputs into the graph's input buffers and replays the graph: about a
-microsecond per launch on the device instead of tens of host microseconds. The kernels,
+microsecond per launch on the device instead of tens of host microseconds. The inputs go
+up as one copy from a pinned host array and the logits come back into a pinned host
+array (pageable copies stage through driver buffers: slower, and synchronous). The kernels,
 inputs and buffers are those of the eager step, so logits and states are bit-identical
 to it (tests/executor/numba_cuda/test_gpu_backend.py::test_decode_graphs_equal_eager).
 The decode attention's split grid is sized for the pool's capacity; splits past a lane's
@@ -44,13 +46,15 @@ def _cu_stream(stream):
 
 @attrs.define(eq=False)
 class _Graph:
-    """One captured decode step: device inputs, the logits buffer, everything it owns."""
+    """One captured decode step: device inputs (ids, positions, slots as the rows of one
+    i32 [3, lanes] array, and row_start), the logits buffer, pinned host mirrors of the
+    inputs and logits, everything it owns."""
 
-    ids: object
-    positions: object
-    slots: object
+    inputs: object
     row_start: object
     logits: object
+    host_inputs: np.ndarray
+    host_logits: np.ndarray
     buffers: StepBuffers
     graph: object
     executable: object
@@ -74,19 +78,37 @@ class DecodeGraphs:
         if graph is None:
             graph = self._graphs[len(states)] = self._capture(ids, positions, slots)
         stream = self.stream
-        graph.ids.copy_to_device(ids, stream=stream)
-        graph.positions.copy_to_device(positions, stream=stream)
-        graph.slots.copy_to_device(slots, stream=stream)
+        graph.host_inputs[0], graph.host_inputs[1], graph.host_inputs[2] = ids, positions, slots
+        graph.inputs.copy_to_device(graph.host_inputs, stream=stream)
         _checked(_driver.cuGraphLaunch(graph.executable, _cu_stream(stream)))
-        logits = graph.logits.copy_to_host(stream=stream)
+        graph.logits.copy_to_host(graph.host_logits, stream=stream)
         stream.synchronize()
+        logits = graph.host_logits.copy()
         backend.advance(states, logits)
         return logits
+
+    def prepare(self, lane_counts) -> None:
+        """Capture the step for each lane count now (a server does this before it says
+        ready, so no round pays the capture: 0.3 to 1.3 s at 27B). Uses fresh pool slots at
+        row 0, released afterwards; needs max(lane_counts) free slots."""
+        backend = self.backend
+        for lanes in lane_counts:
+            if lanes in self._graphs:
+                continue
+            states = [backend.new_state() for _ in range(lanes)]
+            try:
+                zeros = np.zeros(lanes, np.int32)
+                self._graphs[lanes] = self._capture(zeros, zeros, np.asarray([s.slot for s in states], np.int32))
+            finally:
+                for state in states:
+                    backend.release(state)
 
     def _capture(self, ids, positions, slots) -> _Graph:
         backend, stream = self.backend, self.stream
         lanes = len(ids)
-        inputs = [to_device(a, stream) for a in (ids, positions, slots, np.arange(lanes + 1, dtype=np.int32))]
+        packed = to_device(np.stack([ids, positions, slots]).astype(np.int32), stream)
+        row_start = to_device(np.arange(lanes + 1, dtype=np.int32), stream)
+        inputs = [packed[0], packed[1], packed[2], row_start]
         max_pos = backend.pool.capacity_rows - 1
         cuda.synchronize()
         saved = [backend.pool.pack(int(slot), 0) for slot in slots]
@@ -107,7 +129,8 @@ class DecodeGraphs:
                 raise
             graph = _checked(_driver.cuStreamEndCapture(handle))
         executable = _checked(_driver.cuGraphInstantiate(graph, 0))
-        return _Graph(*inputs, logits=logits, buffers=buffers, graph=graph, executable=executable)
+        return _Graph(packed, row_start, logits, cuda.pinned_array((3, lanes), np.int32),
+                      cuda.pinned_array(tuple(logits.shape), np.float32), buffers, graph, executable)
 
     def replay_seconds(self, lanes: int, repeat: int = 10) -> float:
         """Device seconds per replay of the captured step for `lanes` lanes, replayed

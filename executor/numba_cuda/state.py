@@ -13,6 +13,7 @@ import numpy as np
 from numba import cuda
 
 from executor.config import Qwen35Config
+from executor.numba_cuda.attention_mm import padded
 from executor.numba_cuda.device import THREADS, blocks, empty, zeros
 
 
@@ -48,7 +49,9 @@ class StatePool:
 
     recurrent: f32 [linear_layers, slots, value_heads, key_dim, value_dim]
     conv: bf16 [linear_layers, slots, kernel - 1, conv_channels]
-    keys, values: bf16 [full_layers, slots, capacity_rows, kv_heads, head_dim]
+    keys, values: bf16 [full_layers, slots, padded(capacity_rows), kv_heads, head_dim],
+    zeroed at start (attention_mm runs its GEMMs over whole 256-key tiles, reading rows past
+    a chunk with zero weight: they must be finite, and they are, once zeroed or written)
     """
 
     def __init__(self, config: Qwen35Config, slots: int, capacity_rows: int) -> None:
@@ -59,9 +62,13 @@ class StatePool:
         vh, kd, vd = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         self.recurrent = zeros((lin, slots, vh, kd, vd), np.float32)
         self.conv = zeros((lin, slots, c.linear_conv_kernel_dim - 1, c.conv_channels), np.uint16)
-        kv_shape = (full, slots, capacity_rows, c.num_key_value_heads, c.head_dim)
+        kv_shape = (full, slots, padded(capacity_rows), c.num_key_value_heads, c.head_dim)
         self.keys = empty(kv_shape, np.uint16)
         self.values = empty(kv_shape, np.uint16)
+        for array in (self.keys, self.values):
+            for layer in range(full):
+                flat = array[layer].reshape(array[layer].size)
+                _zero_kernel[blocks(flat.shape[0]), THREADS](flat)
         self._free = list(range(slots - 1, -1, -1))
 
     def take(self) -> int:

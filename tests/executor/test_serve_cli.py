@@ -1,11 +1,19 @@
 """`python -m executor.serve` arguments: policy defaults come from PolicyConfig, a
---policy file overrides them and flags override the file; bad values exit 2 naming them."""
+--policy file overrides them and flags override the file; bad values exit 2 naming them;
+--random-weights takes a dense preset on the cuda backend and says clearly when it cannot."""
 
 from __future__ import annotations
 
 import pytest
 
-from executor.serve import ServeConfig, config_from_args, main, parse_args
+from executor.numba_cuda.device import is_gpu_available
+from executor.serve import (
+    ServeConfig,
+    config_from_args,
+    main,
+    parse_args,
+    random_model_id,
+)
 from policy.config import GIB, PolicyConfig
 
 
@@ -30,3 +38,36 @@ def test_flags_override_the_policy_file(tmp_path):
 def test_bad_values_exit_2_naming_them(argv, word, capsys):
     assert main(argv) == 2
     assert word in capsys.readouterr().err
+
+
+def test_random_weights_flags_resolve():
+    cfg = config_from_args(parse_args(["--random-weights", "qwen3.5-27b", "--seed", "7", "--backend", "cuda"]))
+    assert (cfg.random_weights, cfg.seed, cfg.model, cfg.backend) == ("qwen3.5-27b", 7, None, "cuda")
+    assert random_model_id("Qwen/Qwen3.5-27B", 7) == "qwen3.5-27b-random-s7"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--random-weights", "qwen3.5-27b", "--backend", "reference"], ("random_weights", "--backend cuda")),
+    (["--random-weights", "qwen3.5-1t"], ("unknown preset 'qwen3.5-1t'", "qwen3.5-27b", "qwen3.5-2b")),
+    (["--random-weights", "qwen3.5-35b-a3b"], ("MoE", "dense presets only")),
+    (["--random-weights", "qwen3.5-2b", "--seed", "-1"], ("seed",)),
+], ids=["reference-backend", "unknown-preset", "moe-preset", "negative-seed"])
+def test_random_weights_errors_exit_2_naming_the_problem(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_random_weights_and_model_are_exclusive(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--random-weights", "qwen3.5-2b", "--model", str(tmp_path)])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="random_weights"):
+        ServeConfig(model=tmp_path, random_weights="qwen3.5-2b")
+
+
+@pytest.mark.skipif(is_gpu_available(), reason="checks the error without a GPU")
+def test_random_weights_without_a_gpu_exit_1_saying_so(capsys):
+    """No silent fallback: the reference backend cannot hold a real shape's random weights."""
+    assert main(["--random-weights", "qwen3.5-0.8b", "--port", "0"]) == 1
+    assert "--random-weights qwen3.5-0.8b needs the cuda backend" in capsys.readouterr().err

@@ -11,17 +11,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policy.config import PolicyConfig
+from policy.prefix import Prompt
 from policy.shape import QWEN35_27B, ModelShape
 from policy.usable import BackendFacts
+from sim.api import simulate
 from sim.cost import (
     DEFAULT_PROFILE,
     AnalyticCost,
     Profile,
+    TableCost,
     list_profiles,
     load_profile,
     profile_from_dict,
     profile_to_dict,
 )
+from sim.workload import Conversation, Turn, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SHAPE = ModelShape(linear_layers=1, attention_layers=1, linear_num_key_heads=1, linear_key_head_dim=1,
@@ -66,17 +71,34 @@ def test_bad_arguments(call, args):
         getattr(TINY, call)(*args)
 
 
+def make_profiles_module():
+    spec = importlib.util.spec_from_file_location("make_profiles", ROOT / "bench" / "make_profiles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_shipped_profiles():
-    assert list_profiles() == ("qwen3.5-27b-h200", "qwen3.5-2b-h200", "qwen3.5-9b-h200")
-    assert load_profile().name == DEFAULT_PROFILE == "qwen3.5-9b-h200"
+    """Shipped profiles are analytic (bench/make_profiles.py) or measured on the H200 (bench/profile.py)."""
+    assert list_profiles() == ("qwen3.5-27b-h200", "qwen3.5-27b-h200-roofline", "qwen3.5-2b-h200",
+                               "qwen3.5-2b-h200-roofline", "qwen3.5-9b-h200", "qwen3.5-9b-h200-roofline")
+    assert load_profile().name == DEFAULT_PROFILE == "qwen3.5-9b-h200-roofline"
+    for size in ("2b", "9b", "27b"):
+        assert load_profile(f"qwen3.5-{size}-h200").source == "measured"
+        assert load_profile(f"qwen3.5-{size}-h200-roofline").source == "analytic"
     for name in list_profiles():
         p = load_profile(name)
-        assert p.source == "analytic" and p.invariant_rows is None and p.gpu == "NVIDIA H200"
+        assert p.gpu.startswith("NVIDIA H200") and p.name == name
+        if p.source == "analytic":
+            assert p.invariant_rows is None and isinstance(p.cost, AnalyticCost)
+        else:
+            assert isinstance(p.cost, TableCost) and p.cost.keep is not None and p.cost.restore is not None
+            assert {"commit", "command", "date"} <= dict(p.provenance).keys()
         assert profile_from_dict(profile_to_dict(p)) == p
 
 
 def test_27b_by_hand():
-    p = load_profile("qwen3.5-27b-h200")
+    p = make_profiles_module().make_profile("qwen3.5-27b")
     assert p.shape == QWEN35_27B
     # Per layer: attention 5120 x 12288 (q + gate) + 2 x 5120 x 1024 + 6144 x 5120 + 2 x 256 = 104,858,112;
     # delta net 5120 x 10240 + 5120 x 6144 + 2 x 5120 x 48 + 10240 x 4 + 96 + 128 + 6144 x 5120 = 115,876,064;
@@ -90,7 +112,7 @@ def test_27b_by_hand():
 
 
 def test_9b_prefill_of_32k_rows():
-    p = load_profile("qwen3.5-9b-h200")
+    p = make_profiles_module().make_profile("qwen3.5-9b")
     assert 0.5 < p.prefill_s(32768, 0) < 1.5
     assert p.prefill_s(4096, 28672) > p.prefill_s(4096, 0)  # attention over the context
 
@@ -103,12 +125,49 @@ def test_sizes_order():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.sampled_from(["qwen3.5-2b-h200", "qwen3.5-9b-h200", "qwen3.5-27b-h200"]),
+@given(st.sampled_from(["qwen3.5-2b-h200", "qwen3.5-9b-h200", "qwen3.5-27b-h200", "qwen3.5-9b-h200-roofline"]),
        st.integers(1, 70_000), st.integers(0, 200_000), st.integers(1, 300))
 def test_costs_grow_with_work(name, rows, context, lanes):
     p = load_profile(name)
     assert 0 < p.prefill_s(rows, context) <= p.prefill_s(rows + 1, context) <= p.prefill_s(rows + 1, context + 1)
     assert 0 < p.decode_round_s(lanes, [context] * lanes) <= p.decode_round_s(lanes + 1, [context] * (lanes + 1))
+
+
+def test_table_keep_and_restore_curves():
+    d = table_profile()
+    d["cost"]["keep"] = {"bytes": [0, 1000, 3000], "seconds": [0.001, 0.002, 0.006]}
+    d["cost"]["restore"] = {"bytes": [100], "seconds": [0.5]}
+    d["provenance"] = {"commit": "abc1234", "command": "python -m bench.profile", "date": "2025-01-01T00:00:00Z"}
+    p = profile_from_dict(d)
+    assert p.keep_s(0) == 0.001 and p.keep_s(500) == pytest.approx(0.0015)
+    assert p.keep_s(2000) == pytest.approx(0.004)  # between 1000 and 3000
+    assert p.keep_s(5000) == pytest.approx(0.010)  # last segment extended: 2e-6 s per byte
+    assert p.restore_s(0) == 0.5 and p.restore_s(10**9) == 0.5  # one point: held both ways
+    assert dict(p.provenance)["commit"] == "abc1234"
+    assert profile_from_dict(profile_to_dict(p)) == p and profile_to_dict(p)["provenance"] == d["provenance"]
+    # without curves: keeps and restores at copy_bytes_per_s (2e9 B/s)
+    plain = profile_from_dict(table_profile())
+    assert plain.keep_s(4e9) == plain.restore_s(4e9) == pytest.approx(2.0)
+    assert TINY.restore_s(2_000_000) == TINY.keep_s(2_000_000) == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="restore_s needs nbytes >= 0"):
+        p.restore_s(-1)
+
+
+def test_restores_are_charged_at_restore_s():
+    """sim.loop charges a resumed pass's restore at restore_s, not keep_s."""
+    d = table_profile()
+    d["cost"]["restore"] = {"bytes": [0], "seconds": [0.25]}
+    d["cost"]["keep"] = {"bytes": [0], "seconds": [0.0]}
+    p = profile_from_dict(d)
+    turns = (Turn(Prompt.synthetic([(1, 100)]), (0,), 1, None, (), 0.0, 0.0),
+             Turn(Prompt.synthetic([(1, 100), (2, 50)]), (0, 100), 1, None, (), 0.0, 10.0))
+    w = Workload("two", (Conversation("c", 0.0, turns),))
+    cfg = PolicyConfig(warm_enabled=False)
+    report = simulate(w, cfg, p, BackendFacts(None))
+    assert report.cached_tokens == {"c/0": 0, "c/1": 100}
+    # c/1: one chunk of 50 rows after 100 (prefill grid held at its 64-row edge: 1.0 s at context 0,
+    # interpolated at context 100: 1.0 + 0.1 x 2.0 = 1.2 s) + the restore, 0.25 s.
+    assert report.ttft_s["c/1"] == pytest.approx(1.2 + 0.25)
 
 
 def test_table_form_interpolates():
@@ -150,8 +209,13 @@ def mutate(d: dict, path: str, value: object) -> dict:
     ("table", "cost.prefill.seconds", [[1.0, 3.0], [2.0]], r"^cost.prefill.seconds\[1\]"),
     ("table", "cost.decode.seconds", [[0.1]], r"^cost.decode.seconds: must be a list of 2 rows"),
     ("table", "cost.decode.lanes", KeyError, r"^cost.decode.lanes: missing"),
+    ("table", "cost.keep", {"bytes": [0, 10], "seconds": [1.0]}, r"^cost.keep.seconds: must be 2 numbers"),
+    ("table", "cost.restore", {"bytes": [10, 0], "seconds": [1.0, 2.0]}, r"^cost.restore.bytes: must be a non-empty"),
+    ("table", "cost.keep", {"bytes": [0], "seconds": [1.0], "x": 1}, r"^cost.keep.x: unknown key"),
+    ("table", "provenance", {"commit": 3}, r"^provenance: must be a JSON object of strings"),
 ], ids=["efficiency", "missing", "float-bytes", "form", "unknown", "source", "grid", "shape", "shape-missing", "gpu",
-        "axis-order", "row-length", "row-count", "axis-missing"])
+        "axis-order", "row-length", "row-count", "axis-missing", "keep-length", "restore-order", "keep-unknown",
+        "provenance"])
 def test_profile_errors_name_the_field(base, path, value, match):
     d = profile_to_dict(TINY) if base == "analytic" else table_profile()
     with pytest.raises(ValueError, match=match):
@@ -173,11 +237,9 @@ def test_load_profile_errors(tmp_path):
     assert load_profile(good) == TINY
 
 
-def test_shipped_files_are_what_make_profiles_writes(tmp_path):
-    spec = importlib.util.spec_from_file_location("make_profiles", ROOT / "bench" / "make_profiles.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(tmp_path)
+def test_shipped_analytic_files_are_what_make_profiles_writes(tmp_path):
+    make_profiles_module().main(tmp_path)
     for name in list_profiles():
-        assert json.loads((tmp_path / f"{name}.json").read_text()) == json.loads(
-            (ROOT / "sim" / "profiles" / f"{name}.json").read_text())
+        shipped = json.loads((ROOT / "sim" / "profiles" / f"{name}.json").read_text())
+        if shipped["source"] == "analytic":
+            assert json.loads((tmp_path / f"{name}.json").read_text()) == shipped

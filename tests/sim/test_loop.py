@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -12,14 +14,19 @@ import policy.store as store_mod
 from policy.config import PolicyConfig
 from policy.scheduler import Scheduler
 from sim.api import facts_for, load_workload, simulate
-from sim.cost import load_profile
 from sim.invariants import InvariantBroken
 from sim.scenarios import chat, grid_edges
 
 
 @pytest.fixture(scope="module")
 def profile():
-    return load_profile("qwen3.5-9b-h200")
+    """The analytic 9B H200 profile (bench/make_profiles.py), fixed whatever sim/profiles ships:
+    these tests' timings assume its speed and no invariant grid."""
+    path = Path(__file__).parents[2] / "bench" / "make_profiles.py"
+    spec = importlib.util.spec_from_file_location("make_profiles", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_profile("qwen3.5-9b")
 
 
 @pytest.fixture(scope="module")

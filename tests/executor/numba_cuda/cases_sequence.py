@@ -5,6 +5,8 @@ lane, give the same bits. Run under the CUDA simulator or on a GPU; outputs pois
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 
@@ -19,7 +21,7 @@ def _conv(x, tails_host, weight, slot, cuts):
     """Run conv over rows of x in chunks [cuts[i], cuts[i+1]); returns (out, tails)."""
     tails = to_device(tails_host)
     outs = []
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in pairwise(cuts):
         with poisoned():
             out = conv.causal_conv1d(
                 to_device(x[a:b]), to_device(np.array([0, b - a], np.int32)), to_device(np.array([slot], np.int32)),
@@ -43,6 +45,45 @@ def test_causal_conv1d_matches_twin_and_any_chunking():
     pieces, tails_pieces = _conv(x, tails, weight, 1, [0, 1, 2, 6, 7])
     np.testing.assert_array_equal(pieces, whole)
     np.testing.assert_array_equal(tails_pieces, tails_whole)
+
+
+@pytest.mark.parametrize("cuts", [[0, 1, 129, 200, 300], [0, 150, 300], [0, 7, 135, 136, 300]],
+                         ids=["ragged", "halves", "tile-edges"])
+def test_causal_conv1d_rows_past_one_block_any_chunking(cuts):
+    """More rows than THREADS and row tiles (ROW_TILE) straddling chunk cuts: same bits."""
+    r = rng()
+    rows, channels, kernel = 300, 5, 4
+    x = r.normal(size=(rows, channels)).astype(np.float32)
+    weight = r.normal(size=(channels, kernel)).astype(np.float32) / 2
+    tails = bf16(r.normal(size=(1, kernel - 1, channels)))
+    whole, tails_whole = _conv(x, tails, weight, 0, [0, rows])
+    ref, ref_tail = ops.causal_conv1d(as_f32(bf16(x)), as_f32(tails[0]), weight)
+    assert_close("conv out", ref, whole, 1e-5, rel=True)
+    np.testing.assert_array_equal(as_f32(tails_whole[0]), ref_tail)
+    pieces, tails_pieces = _conv(x, tails, weight, 0, cuts)
+    np.testing.assert_array_equal(pieces, whole)
+    np.testing.assert_array_equal(tails_pieces, tails_whole)
+
+
+def test_causal_conv1d_lanes_of_several_rows():
+    """Lanes of 5, 0, 135 and 1 rows in one call: row tiles cross lanes, an empty lane."""
+    r = rng()
+    row_start = np.array([0, 5, 5, 140, 141], np.int32)
+    slots = np.array([2, 0, 3, 1], np.int32)
+    channels, kernel = 3, 4
+    x = r.normal(size=(row_start[-1], channels)).astype(np.float32)
+    weight = r.normal(size=(channels, kernel)).astype(np.float32)
+    tails = bf16(r.normal(size=(4, kernel - 1, channels)))
+    d_tails = to_device(tails)
+    with poisoned():
+        out = host(conv.causal_conv1d(to_device(x), to_device(row_start), to_device(slots), to_device(weight),
+                                      d_tails))
+    new_tails = d_tails.copy_to_host()
+    for lane, slot in enumerate(slots):
+        a, b = row_start[lane], row_start[lane + 1]
+        ref, ref_tail = ops.causal_conv1d(as_f32(bf16(x[a:b])), as_f32(tails[slot]), weight)
+        assert_close(f"lane {lane}", ref, out[a:b], 1e-5, rel=True)
+        np.testing.assert_array_equal(as_f32(new_tails[slot]), ref_tail)
 
 
 def test_causal_conv1d_decode_lanes():
@@ -108,7 +149,7 @@ def test_delta_recurrence_matches_chunked_twin_and_any_chunking(start_row):
     mixed, ab, a_log, dt_bias, key_heads, key_dim = _inputs(r, rows)
     state0 = (r.normal(size=(2, 2, key_dim, 4)) * 0.3).astype(np.float32)
     states = to_device(state0)
-    qn, kn, g, beta, whole = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [1], [0, rows])
+    whole = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [1], [0, rows])[4]
     kd = key_heads * key_dim
     q = ops.l2_normalize(mixed[:, :kd].reshape(rows, key_heads, key_dim))
     k = ops.l2_normalize(mixed[:, kd : 2 * kd].reshape(rows, key_heads, key_dim))

@@ -69,9 +69,12 @@ def _teacher_forced(ref, gpu, steps=32):
     rs, gs = ref.new_state(), gpu.new_state()
     rl, gl = ref.prefill(rs, ids, (0, 57)), gpu.prefill(gs, ids, (0, 57))
     errors, rt, gt = [_rel(rl, gl)], [], []
-    for _ in range(steps):
+    _teacher_forced.ties = []
+    for step in range(steps):
         rt.append(int(np.argmax(rl)))
         gt.append(int(np.argmax(gl)))
+        if rt[-1] != gt[-1]:  # the reference's margin between the two picks vs the measured deviation
+            _teacher_forced.ties.append((step, float(rl[rt[-1]] - rl[gt[-1]]), float(np.abs(gl - rl).max())))
         rl, gl = ref.decode([rs], [rt[-1]])[0], gpu.decode([gs], [rt[-1]])[0]
         errors.append(_rel(rl, gl))
     gpu.release(gs)
@@ -86,10 +89,30 @@ def test_logits_match_reference(models):
     assert agree >= 28
 
 
+def _matrix_attention_roundings(q, k, v, start):
+    """ops.attention with the tensor-core prefill's roundings (attention_mm.py): q and the
+    unnormalised probabilities in bf16, divided by the sum of the rounded ones."""
+    from executor.safetensors_file import bf16_to_f32, f32_to_bf16
+
+    r = lambda a: bf16_to_f32(f32_to_bf16(np.asarray(a, np.float32)))  # noqa: E731
+    rows, heads, head_dim = q.shape
+    group = heads // k.shape[1]
+    out = np.empty((rows, heads, head_dim), np.float32)
+    qb = r(q).astype(np.float64)
+    for h in range(heads):
+        kh, vh = k[:, h // group].astype(np.float64), v[:, h // group].astype(np.float64)
+        s = ((qb[:, h] @ kh[: start + rows].T).astype(np.float32) * np.float32(head_dim**-0.5)).astype(np.float64)
+        s[np.arange(start + rows)[None, :] > (start + np.arange(rows))[:, None]] = -np.inf
+        p = r(np.exp(s - s.max(axis=1, keepdims=True))).astype(np.float64)
+        out[:, h] = (p @ vh[: start + rows]) / p.sum(axis=1, keepdims=True)
+    return out
+
+
 def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     """The reference with the serving format's bf16 roundings (GEMM inputs, conv input and
-    tail, K/V) emulated: what remains is fp32-vs-float64 math and summation order, so this
-    checks the wiring far tighter than the plain comparison."""
+    tail, K/V; for prefill rows also q and the attention probabilities, as the tensor-core
+    prefill rounds them) emulated: what remains is fp32-vs-float64 math and summation
+    order, so this checks the wiring far tighter than the plain comparison."""
     from executor.reference import ops
     from executor.safetensors_file import bf16_to_f32, f32_to_bf16
 
@@ -97,11 +120,39 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     linear, conv1d, attend = ops.linear, ops.causal_conv1d, ops.attention
     monkeypatch.setattr(ops, "linear", lambda x, w: linear(r(x), w))
     monkeypatch.setattr(ops, "causal_conv1d", lambda x, tail, w: conv1d(r(x), r(tail), w))
-    monkeypatch.setattr(ops, "attention", lambda q, k, v, start: attend(q, r(k), r(v), start))
+    monkeypatch.setattr(ops, "attention", lambda q, k, v, start: (
+        _matrix_attention_roundings(q, r(k), r(v), start) if len(q) > 1 else attend(q, r(k), r(v), start)))
     errors, rt, gt = _teacher_forced(*models)
     print(f"vs bf16-emulating reference: max {max(errors):.2e} median {np.median(errors):.2e}")
-    assert max(errors) < 1e-2
-    assert rt == gt
+    # Measured on the H200: gva-untied max 2.3e-3, tied-deep max 1.1e-2 / median 3.0e-3 (a
+    # bf16 probability that rounds the other way, carried through eight layers)
+    assert max(errors) < 2e-2 and np.median(errors) < 5e-3
+    # greedy equal, except where the reference's two picks are closer than the measured
+    # logit deviation at that step (the issue's exception, reported)
+    print(f"greedy differs at (step, reference margin, max |logit deviation|): {_teacher_forced.ties}")
+    assert all(margin < deviation for _, margin, deviation in _teacher_forced.ties)
+    assert sum(a == b for a, b in zip(rt, gt)) >= 30
+
+
+def test_device_pool_reuses_a_block_only_after_every_view_is_gone():
+    import gc
+
+    from executor.numba_cuda import device
+
+    if device.POOL is None:
+        pytest.skip("WARMSTATE_DEVICE_POOL=0")
+    a = device.empty((1000,), np.float32)
+    first = device.device_pointer(a)
+    view = a[10:]
+    del a
+    gc.collect()
+    b = device.empty((1000,), np.float32)
+    assert device.device_pointer(b) != first  # the view still holds the first block
+    second = device.device_pointer(b)
+    del view, b
+    gc.collect()
+    c, d = device.empty((1000,), np.float32), device.empty((1000,), np.float32)
+    assert {device.device_pointer(c), device.device_pointer(d)} == {first, second}
 
 
 @pytest.mark.xfail(reason="bf16 GEMM inputs alone move logits 0.4-2.9% on these models (LOGITS_TOL)", strict=False)
@@ -134,6 +185,45 @@ def test_chunk_invariance_on_the_64_row_grid(models):
         assert _same(whole, _chunked(gpu, ids, cuts)), cuts
     off_grid = _chunked(gpu, ids, [0, 100, 300])
     assert _same(off_grid, _chunked(gpu, ids, [0, 100, 128, 300]))
+
+
+REAL_HEADS = small_config(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=2, layer_types=(LINEAR, FULL), num_attention_heads=16,
+    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, partial_rotary_factor=0.25,
+)
+"""The 9B's attention and linear-attention head shapes (16 q / 4 K/V heads of 256; 16 key /
+32 value heads of 128) on a narrow two-layer model, for long-prompt invariance."""
+
+
+@pytest.fixture(scope="module")
+def real_heads(tmp_path_factory):
+    path = random_checkpoint(REAL_HEADS, seed=11, out_dir=tmp_path_factory.mktemp("real-heads"))
+    return NumbaCudaBackend(load_weights(path), slots=2, capacity_rows=20480)
+
+
+def test_prefill_attention_runs_on_the_tensor_cores(models, real_heads):
+    for gpu in (models[1], real_heads):
+        assert gpu.prefill_attention == "matrix", gpu.matrix_attention.pinned
+    print(f"pinned attention algorithms: {real_heads.matrix_attention.pinned}")
+
+
+def test_chunk_invariance_long_prompts_at_real_head_shapes(real_heads):
+    """Prompts up to 20K rows: one chunk vs three random plans with cuts on the 64-row grid
+    (chunks up to 4096 rows, as the policy plans): the last row's logits and every state
+    byte (K/V rows, recurrent matrix, conv tail) identical."""
+    gpu = real_heads
+    rng = np.random.default_rng(12)
+    for rows in (20000, 7001):
+        ids = _prompt(gpu.config, rows, rows)
+        whole = _chunked(gpu, ids, [0, rows])
+        last = (rows - 1) // 64 * 64
+        for _ in range(3):
+            cuts = [0]
+            while cuts[-1] < last:
+                cuts.append(min(cuts[-1] + 64 * int(rng.integers(1, 65)), last))
+            cuts.append(rows)
+            assert _same(whole, _chunked(gpu, ids, cuts)), cuts
 
 
 def test_chunk_invariance_catches_a_planted_break(models, monkeypatch):

@@ -1,0 +1,168 @@
+"""bench/profile.py: the measurement loop on a fake backend with a fake clock (exact values),
+the stepper's prefill keywords, the monotone clean-up, and the tiny model on the reference
+backend end to end (the written profile loads and `python -m sim run` uses it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+
+from bench.profile import (
+    ProfileGrid,
+    Rig,
+    main,
+    measure,
+    monotone,
+    prefill_kwargs,
+    to_profile,
+)
+from executor.model import tiny_config
+from policy.shape import state_bytes
+from sim.cost import TableCost, load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = tiny_config()
+
+
+@attrs.define
+class FakeState:
+    rows: int
+
+
+@attrs.frozen
+class FakePayload:
+    rows: int
+
+
+class FakeBackend:
+    """Costs on a fake clock: prefill 1 ms + 10 us/row + 0.1 us/context row; decode 2 ms +
+    0.5 ms/lane + 1 us per context row summed; snapshot 0.1 ms + 1 ns/byte; restore twice that."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.config, self.clock, self.prefills = CONFIG, clock, []
+        self.logits = np.zeros(CONFIG.vocab_size, np.float32)
+
+    def new_state(self):
+        return FakeState(0)
+
+    def prefill(self, state, token_ids, rows, want_logits=True, tail_from=None):
+        a, b = rows
+        assert state.rows == a and len(token_ids) >= b
+        self.prefills.append((a, b, want_logits, tail_from))
+        self.clock[0] += 1e-3 + 1e-5 * (b - a) + 1e-7 * a
+        state.rows = b
+        return self.logits
+
+    def decode(self, states, token_ids):
+        self.clock[0] += 2e-3 + 5e-4 * len(states) + 1e-6 * sum(s.rows for s in states)
+        for s in states:
+            s.rows += 1
+        return np.zeros((len(states), CONFIG.vocab_size), np.float32)
+
+    def snapshot(self, state):
+        self.clock[0] += 1e-4 + 1e-9 * CONFIG.state_bytes(state.rows)
+        return FakePayload(state.rows)
+
+    def restore(self, payload):
+        self.clock[0] += 2 * (1e-4 + 1e-9 * CONFIG.state_bytes(payload.rows))
+        return FakeState(payload.rows)
+
+    def payload_bytes(self, payload):
+        return CONFIG.state_bytes(payload.rows)
+
+
+def fake_rig() -> tuple[Rig, FakeBackend]:
+    clock = [0.0]
+    backend = FakeBackend(clock)
+    rig = Rig(backend=backend, states_at=lambda ctx, n: [FakeState(ctx) for _ in range(n)], sync=lambda: None,
+              decode=backend.decode, label="fake", device="Fake GPU 9000", model="fake", clock=lambda: clock[0])
+    return rig, backend
+
+
+def test_measure_times_every_point_as_the_stepper_calls_it():
+    grid = ProfileGrid(prefill_rows=(1, 100, 300), contexts=(0, 1000), lanes=(1, 3), repeat=3, decode_rounds=2)
+    rig, backend = fake_rig()
+    m = measure(rig, grid, log=lambda _: None)
+    for i, rows in enumerate(grid.prefill_rows):
+        for j, ctx in enumerate(grid.contexts):
+            assert m.prefill[i][j] == pytest.approx(1e-3 + 1e-5 * rows + 1e-7 * ctx)
+    # decode round r (0-based, after one untimed round) of `lanes` lanes at context c: each lane holds c + 1 + r rows;
+    # the median of rounds 0 and 1 is at c + 1.5 rows per lane.
+    for i, lanes in enumerate(grid.lanes):
+        for j, ctx in enumerate(grid.contexts):
+            assert m.decode[i][j] == pytest.approx(2e-3 + 5e-4 * lanes + 1e-6 * lanes * (ctx + 1.5))
+    assert m.state_bytes == tuple(CONFIG.state_bytes(c) for c in grid.contexts)
+    assert m.keep == pytest.approx([1e-4 + 1e-9 * b for b in m.state_bytes])
+    assert m.restore == pytest.approx([2e-4 + 2e-9 * b for b in m.state_bytes])
+    # every timed chunk reads its logits; over tail_rows (128) rows it takes the tail (rule 8)
+    timed = [p for p in backend.prefills if p[0] == 1000]
+    assert (1000, 1300, True, 1300 - 128) in timed and (1000, 1100, True, None) in timed
+    # three runs of each prefill point after one warm-up run per row count at context 0
+    assert len(backend.prefills) == 3 + 3 * 3 * 2
+
+    profile = to_profile(m, rig, "fake-profile", "python -m bench.profile --test")
+    assert profile.source == "measured" and profile.gpu == "Fake GPU 9000" and profile.shape == CONFIG.shape
+    assert profile.prefill_s(100, 1000) == pytest.approx(m.prefill[1][1])
+    assert profile.prefill_s(200, 500) == pytest.approx(1e-3 + 1e-5 * 200 + 1e-7 * 500)  # bilinear on a plane
+    assert profile.decode_round_s(3, [0, 1000, 2000]) == pytest.approx(2e-3 + 1.5e-3 + 3e-6 * (1000 + 1.5))
+    assert profile.keep_s(state_bytes(CONFIG.shape, 500)) == pytest.approx(1e-4 + 1e-9 * CONFIG.state_bytes(500))
+    assert profile.restore_s(CONFIG.state_bytes(1000)) == pytest.approx(m.restore[1])
+    assert dict(profile.provenance)["command"] == "python -m bench.profile --test"
+
+
+def test_prefill_kwargs_follow_the_tail_rule():
+    backend = FakeBackend([0.0])
+    assert prefill_kwargs(backend, 0, 100, 128) == {"want_logits": True}
+    assert prefill_kwargs(backend, 64, 64 + 129, 128) == {"want_logits": True, "tail_from": 64 + 1}
+    backend.config = attrs.evolve(CONFIG, layer_types=("full_attention", "linear_attention", "linear_attention",
+                                                       "linear_attention"))
+    assert prefill_kwargs(backend, 0, 500, 128) == {"want_logits": True}  # last layer not attention: no tail
+
+    class NoTail(FakeBackend):
+        def prefill(self, state, token_ids, rows, want_logits=True):
+            return super().prefill(state, token_ids, rows, want_logits)
+
+    assert prefill_kwargs(NoTail([0.0]), 0, 500, 128) == {"want_logits": True}  # as the stepper: none passed
+
+
+def test_monotone_raises_dips_to_the_running_maximum():
+    assert monotone([[1.0, 3.0], [0.5, 4.0], [2.0, 1.0]]) == ((1.0, 3.0), (1.0, 4.0), (2.0, 4.0))
+    assert monotone([[2.0, 1.0, 5.0]]) == ((2.0, 2.0, 5.0),)
+
+
+def test_grid_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"^contexts: must be strictly ascending"):
+        ProfileGrid(contexts=(0, 64, 32))
+    with pytest.raises(ValueError, match=r"^lanes: must be strictly ascending integers >= 1"):
+        ProfileGrid(lanes=(0, 1))
+    with pytest.raises(ValueError, match=r"^repeat: must be >= 1"):
+        ProfileGrid(repeat=0)
+
+
+def test_tiny_reference_profile_runs_the_simulator(tmp_path, capsys):
+    code = main(["--backend", "reference", "--out", str(tmp_path), "--rows", "1,16,64", "--contexts", "0,64",
+                 "--lanes", "1,2", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    path = tmp_path / "tiny-qwen3_5-v1-reference.json"
+    assert f"wrote {path}" in out and "prefill ms" in out
+    p = load_profile(path)
+    assert p.source == "measured" and p.invariant_rows is None and p.shape == CONFIG.shape
+    c = p.cost
+    assert isinstance(c, TableCost)
+    assert (c.prefill.x, c.prefill.y, c.decode.x, c.decode.y) == ((1, 16, 64), (0, 64), (1, 2), (0, 64))
+    assert c.keep is not None and c.keep.x == (CONFIG.state_bytes(0), CONFIG.state_bytes(64))
+    for table in (c.prefill.seconds, c.decode.seconds):
+        assert all(v > 0 for row in table for v in row) and monotone(table) == table
+    assert {"backend", "command", "commit", "date", "decode"} <= dict(p.provenance).keys()
+    assert json.loads(path.read_text())["cost"]["form"] == "table"
+    run = subprocess.run([sys.executable, "-m", "sim", "run", "--profile", str(path), "--workload", "chat"],
+                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "profile tiny-qwen3_5-v1-reference (measured)" in run.stdout and "requests" in run.stdout

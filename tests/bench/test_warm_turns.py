@@ -1,0 +1,99 @@
+"""bench/warm_turns.py end to end on CPU: real servers (the tiny model on the reference
+backend, a 128-row grid) through both cases in A B B A order, its receipt's values; and
+planted breaks (a cache-off server posing as the cache-on one, a server with other weights
+as the reference) that must turn the named assertions red."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from executor.model import random_checkpoint, tiny_config
+from tests.executor.serve_support import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "warm_turns.py"
+SMALL = ("--grid-rows", "128", "--off-grid-rows", "100", "--max-tokens", "16", "--warmup-rows", "64")
+GRID = 128
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("warm_turns", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "receipt.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert out.is_file(), proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def test_order_and_hash_definitions():
+    wt = _module()
+    assert wt.sequence(1) == [True, False]
+    assert wt.sequence(2) == [True, False, False, True]  # A B B A
+    assert wt.sequence(3) == [True, False, False, True, True, False]
+    assert wt.ids_sha256([1, 22, 333]) == hashlib.sha256(b"1,22,333").hexdigest()
+    assert wt.output_sha256("", "hé") == hashlib.sha256('["", "hé"]'.encode()).hexdigest()
+
+
+def test_both_cases_abba_on_the_tiny_model(tmp_path):
+    policy = tmp_path / "grid.toml"
+    policy.write_text(f"grid_rows = {GRID}\n")
+    proc, receipt = _run(tmp_path, "--server-args", f"--backend reference --policy {policy}", "--repeat", "2",
+                         "--trace-dir", str(tmp_path / "traces"), *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert receipt["qualified"] and receipt["error"] is None
+    verdicts = {(a["name"], a["case"]): a["ok"] for a in receipt["assertions"]}
+    assert set(verdicts) == {
+        *((n, c) for n in ("client_render_matches_server", "first_turn_cold", "warm_pass_started", "warm_pass_finished",
+                           "continuation_cached", "reference_never_cached", "hashes_equal_cache_off")
+          for c in ("on-grid", "off-grid")),
+        ("first_prompt_under_grid", "on-grid"), ("continuation_on_grid", "on-grid")}
+    assert all(verdicts.values())
+    runs = receipt["runs"]
+    assert [(r["server"], r["case"]) for r in runs] == [(s, c) for s in "ABBA" for c in ("on-grid", "off-grid")]
+    for run in runs:
+        first, second = run["turns"]
+        assert first["cached_tokens"] == 0 and first["ttft_s"] > 0 and first["prefill_s"] > 0
+        if run["case"] == "on-grid":
+            assert first["prompt_tokens"] < GRID == first["continuation_rows"]
+        else:
+            assert first["prompt_tokens"] == 100 < first["continuation_rows"]
+        if run["server"] == "A":  # resumed exactly where the warm pass stopped: the next message's start
+            assert second["cached_tokens"] == first["continuation_rows"]
+            assert first["warm"]["started"] == first["warm"]["finished"] == 1 and first["warm_settled"]
+        else:
+            assert second["cached_tokens"] == 0 and "warm" not in first
+    for case in ("on-grid", "off-grid"):
+        for k in range(2):
+            turns = [r["turns"][k] for r in runs if r["case"] == case]
+            assert len({(t["token_sha256"], t["output_sha256"], t["prompt_sha256"]) for t in turns}) == 1
+    assert "qualified: true" in proc.stdout and "PASS  continuation_on_grid" in proc.stdout
+    assert receipt["environment"]["commit"] and sorted(p.name for p in (tmp_path / "traces").glob("*.log")) == [
+        "1-A.log", "2-B.log", "3-B.log", "4-A.log"]
+
+
+def test_planted_breaks_turn_the_receipt_red(tmp_path):
+    other = random_checkpoint(tiny_config(), 1, tmp_path / "other-weights")
+    no_cache = ServerProcess("--backend", "reference", "--prompt-cache-gib", "0")
+    wrong = ServerProcess("--backend", "reference", "--model", str(other), "--prompt-cache-gib", "0")
+    try:
+        proc, receipt = _run(tmp_path, "--url", no_cache.url, "--url-off", wrong.url, "--cases", "off-grid",
+                             "--warm-timeout-s", "0.5", *SMALL, "--warmup-rows", "0")
+    finally:
+        assert no_cache.stop() == 0 and wrong.stop() == 0
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert {a["name"]: a["ok"] for a in receipt["assertions"]} == {
+        "client_render_matches_server": True, "first_turn_cold": True, "warm_pass_started": False,
+        "warm_pass_finished": False, "continuation_cached": False, "reference_never_cached": True,
+        "hashes_equal_cache_off": False}
+    assert "qualified: false" in proc.stdout and "FAIL  hashes_equal_cache_off" in proc.stdout

@@ -1,0 +1,152 @@
+"""Kernel cases of the chunked gated delta rule (delta_rule.delta_chunked) against the NumPy
+twin ops.gated_delta_rule_chunked (also with the other phase-2 block shapes), its
+exactness on the 64-row grid (bit-identical outputs and states for any chunking whose cuts
+are multiples of 64, from any start), a planted break of the absolute sub-chunk anchor,
+and agreement with the row-by-row recurrence.
+Run under the CUDA simulator or on a GPU; outputs and scratch poisoned before launch.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from executor.numba_cuda import delta_rule
+from executor.numba_cuda.device import poisoned, to_device
+from executor.reference import ops
+from tests.executor.numba_cuda.kernel_support import host, rng
+from tests.helpers import assert_close
+
+V0 = 3  # v starts at this column of `mixed` (the kernel must honour the offset)
+TOL = 1e-4  # relative to max |ref|: fp32 sub-chunks against the float64 twin (~1e-6 seen)
+
+
+def _inputs(r, rows, key_heads, value_heads, key_dim, value_dim):
+    """q, k (L2-normalised, unscaled), v, g, beta as the twin takes them."""
+    q = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    k = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
+    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
+    a_log = np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32)
+    dt_bias = r.normal(0, 0.5, value_heads).astype(np.float32)
+    g, beta = ops.delta_gates(a, b, a_log, dt_bias)
+    return q, k, v, g.astype(np.float32), beta.astype(np.float32)
+
+
+def _chunked(inputs, states, slot, start_row, cuts):
+    """delta_chunked over input rows [cuts[i], cuts[i + 1]) (absolute start_row + cuts[i])."""
+    q, k, v, g, beta = inputs
+    qn = (q * np.float32(q.shape[2] ** -0.5)).astype(np.float32)  # delta_prep scales q
+    r = rng()
+    outs = []
+    for a, b in pairwise(cuts):
+        mixed = np.concatenate([r.normal(size=(b - a, V0)), v[a:b].reshape(b - a, -1)], axis=1).astype(np.float32)
+        with poisoned():
+            out = delta_rule.delta_chunked(
+                to_device(qn[a:b]), to_device(k[a:b]), to_device(mixed), V0, to_device(g[a:b]),
+                to_device(beta[a:b]), start_row + a, slot, states,
+            )
+        outs.append(host(out))
+    return np.concatenate(outs)
+
+
+@pytest.mark.parametrize(
+    "start_row, rows, key_heads, value_heads, key_dim, value_dim",
+    [(0, 150, 1, 2, 8, 8), (100, 60, 2, 4, 16, 12), (191, 1, 1, 1, 8, 4), (64, 70, 1, 1, 40, 20),
+     (30, 20, 1, 1, 136, 8)],
+    ids=["from-row-0", "off-grid-start", "one-row", "ragged-tiles", "key-dim-136"],
+)
+def test_delta_chunked_matches_twin(start_row, rows, key_heads, value_heads, key_dim, value_dim):
+    r = rng()
+    inputs = _inputs(r, rows, key_heads, value_heads, key_dim, value_dim)
+    state0 = (r.normal(size=(3, value_heads, key_dim, value_dim)) * 0.3).astype(np.float32)
+    states = to_device(state0)
+    out = _chunked(inputs, states, 1, start_row, [0, rows])
+    ref, ref_state = ops.gated_delta_rule_chunked(*inputs, state0[1], start_row)
+    assert_close("delta out", ref, out, TOL, rel=True)
+    final = states.copy_to_host()
+    assert_close("delta state", ref_state, final[1], TOL, rel=True)
+    np.testing.assert_array_equal(final[[0, 2]], state0[[0, 2]])
+
+
+@pytest.mark.parametrize("cols, threads", [(32, 128), (16, 64), (8, 32)], ids=["cols-32", "threads-64", "cols-8"])
+def test_delta_chunked_phase2_variants_match_twin(monkeypatch, cols, threads):
+    """The other phase-2 block shapes (STATE_COLS, STATE_THREADS) give the twin's numbers."""
+    monkeypatch.setattr(delta_rule, "STATE_COLS", cols)
+    monkeypatch.setattr(delta_rule, "STATE_THREADS", threads)
+    r = rng()
+    inputs = _inputs(r, 40, 1, 2, 16, 36)
+    state0 = (r.normal(size=(1, 2, 16, 36)) * 0.3).astype(np.float32)
+    states = to_device(state0)
+    out = _chunked(inputs, states, 0, 50, [0, 40])
+    ref, ref_state = ops.gated_delta_rule_chunked(*inputs, state0[0], 50)
+    assert_close("delta out", ref, out, TOL, rel=True)
+    assert_close("delta state", ref_state, states.copy_to_host()[0], TOL, rel=True)
+
+
+@pytest.mark.parametrize(
+    "start_row, rows, chunkings",
+    [(0, 192, [[0, 64, 128, 192], [0, 128, 192]]), (100, 156, [[0, 28, 156], [0, 92, 156]])],
+    ids=["from-row-0", "from-row-100"],
+)
+def test_delta_chunked_is_bit_identical_on_the_64_row_grid(start_row, rows, chunkings):
+    """One chunk against chunkings cut at absolute multiples of 64 (after an off-grid
+    start, the first piece is the partial sub-chunk): same output and state bits."""
+    r = rng()
+    inputs = _inputs(r, rows, 1, 1, 8, 8)
+    state0 = (r.normal(size=(1, 1, 8, 8)) * 0.3).astype(np.float32)
+    states = to_device(state0)
+    whole = _chunked(inputs, states, 0, start_row, [0, rows])
+    final = states.copy_to_host()
+    for cuts in chunkings:
+        states = to_device(state0)
+        np.testing.assert_array_equal(_chunked(inputs, states, 0, start_row, cuts), whole)
+        np.testing.assert_array_equal(states.copy_to_host(), final)
+
+
+def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
+    """Sub-chunks anchored at the chunk start instead of absolute multiples of 64: a chunk
+    from row 100 in one piece no longer matches the same rows cut at row 128."""
+    monkeypatch.setattr(delta_rule, "_subchunk_offset", lambda start_row: 0)
+    r = rng()
+    inputs = _inputs(r, 156, 1, 1, 8, 8)
+    state0 = (r.normal(size=(1, 1, 8, 8)) * 0.3).astype(np.float32)
+    whole_states, piece_states = to_device(state0), to_device(state0)
+    whole = _chunked(inputs, whole_states, 0, 100, [0, 156])
+    pieces = _chunked(inputs, piece_states, 0, 100, [0, 28, 156])
+    assert not np.array_equal(whole, pieces)
+    assert not np.array_equal(whole_states.copy_to_host(), piece_states.copy_to_host())
+
+
+def test_delta_chunked_agrees_with_recurrence():
+    r = rng()
+    rows, start_row = 20, 54
+    q, k, v, g, beta = _inputs(r, rows, 1, 2, 8, 8)
+    state0 = (r.normal(size=(1, 2, 8, 8)) * 0.3).astype(np.float32)
+    chunked_states, recurrent_states = to_device(state0), to_device(state0)
+    chunked = _chunked((q, k, v, g, beta), chunked_states, 0, start_row, [0, rows])
+    qn = (q * np.float32(8**-0.5)).astype(np.float32)
+    with poisoned():
+        recurrent = host(delta_rule.delta_recurrence(
+            to_device(qn), to_device(k), to_device(v.reshape(rows, -1)), 0, to_device(g), to_device(beta),
+            to_device(np.array([0, rows], np.int32)), to_device(np.array([0], np.int32)), recurrent_states,
+        ))
+    assert_close("chunked vs recurrent out", recurrent, chunked, TOL, rel=True)
+    assert_close("chunked vs recurrent state", recurrent_states.copy_to_host(), chunked_states.copy_to_host(), TOL,
+                 rel=True)
+
+
+@pytest.mark.parametrize("field", ["key_dim", "heads", "slot", "strided"])
+def test_delta_chunked_rejects_what_does_not_fit(field):
+    key_dim = 260 if field == "key_dim" else 8
+    value_heads = 3 if field == "heads" else 2
+    qn = to_device(np.zeros((4, 2, 2 * key_dim), np.float32))[:, :, :key_dim]
+    if field != "strided":
+        qn = to_device(np.zeros((4, 2, key_dim), np.float32))
+    states = to_device(np.zeros((2, value_heads, key_dim, 4), np.float32))
+    mixed = to_device(np.zeros((4, value_heads * 4), np.float32))
+    gates = to_device(np.zeros((4, value_heads), np.float32))
+    with pytest.raises(ValueError):
+        delta_rule.delta_chunked(qn, qn, mixed, 0, gates, gates, 0, 5 if field == "slot" else 0, states)
