@@ -26,7 +26,14 @@ import numpy as np
 from bench.decode_prefill import _fresh_states
 from executor.numba_cuda import device_weights
 from executor.numba_cuda.backend import NumbaCudaBackend
-from executor.numba_cuda.device import POOL, device_name, elapsed_seconds, new_event, spin, synchronize
+from executor.numba_cuda.device import (
+    POOL,
+    device_name,
+    elapsed_seconds,
+    new_event,
+    spin,
+    synchronize,
+)
 from executor.presets import preset
 
 
