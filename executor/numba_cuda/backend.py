@@ -5,7 +5,7 @@ Numerics: weights bf16, residual stream fp32, every GEMM input bf16 and output f
 Prefill GEMMs run on cuBLASLt with a pinned row-invariant algorithm at every row count;
 prefill attention on the tensor cores (attention_mm.py: pinned cuBLASLt QK^T and PV, a row's
 bits independent of its chunk and tile); the prefill delta rule in its chunked form with
-64-row sub-chunks at absolute multiples of 64 (delta_rule.delta_chunked); decode GEMMs and
+64-row sub-chunks at absolute multiples of 64 (delta_chunked.delta_chunked); decode GEMMs and
 the LM head on the row-invariant GEMV at every lane count, the decode delta rule as the
 one-row recurrence. Every other kernel computes a row independently of the chunk or lane
 set, so prefill rows are chunk-invariant on the 64-row grid (`facts`). Wiring mirrors executor/reference/backend.py; the kernels live
@@ -21,7 +21,8 @@ from typing import Sequence
 import numpy as np
 
 from executor.config import FULL, Qwen35Config
-from executor.numba_cuda import attention, attention_prep, conv, delta_rule, device_weights, elementwise, norms
+from executor.numba_cuda import (attention, attention_prep, conv, delta_chunked, delta_rule, device_weights,
+                                 elementwise, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import empty, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
@@ -134,7 +135,7 @@ class NumbaCudaBackend:
             out = delta_rule.delta_recurrence(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, row_start, slots,
                                               self.pool.recurrent[li], stream=stream)
         else:  # prefill: the chunked form, sub-chunks anchored at absolute multiples of 64
-            out = delta_rule.delta_chunked(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
+            out = delta_chunked.delta_chunked(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
                                            self.pool.recurrent[li], stream=stream)
         gated = norms.gated_rms_norm(out, proj[:, ch : ch + vd], w["norm"], c.rms_norm_eps, stream=stream)
         return mm(gated, w["out_proj"], stream=stream)

@@ -1,4 +1,4 @@
-"""Kernel cases of the chunked gated delta rule (delta_rule.delta_chunked) against the NumPy
+"""Kernel cases of the chunked gated delta rule (delta_chunked.delta_chunked) against the NumPy
 twin ops.gated_delta_rule_chunked (also with the other phase-2 block shapes), its
 exactness on the 64-row grid (bit-identical outputs and states for any chunking whose cuts
 are multiples of 64, from any start), a planted break of the absolute sub-chunk anchor,
@@ -13,7 +13,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from executor.numba_cuda import delta_rule
+from executor.numba_cuda import delta_chunked, delta_rule
 from executor.numba_cuda.device import poisoned, to_device
 from executor.reference import ops
 from tests.executor.numba_cuda.kernel_support import host, rng
@@ -44,7 +44,7 @@ def _chunked(inputs, states, slot, start_row, cuts):
     for a, b in pairwise(cuts):
         mixed = np.concatenate([r.normal(size=(b - a, V0)), v[a:b].reshape(b - a, -1)], axis=1).astype(np.float32)
         with poisoned():
-            out = delta_rule.delta_chunked(
+            out = delta_chunked.delta_chunked(
                 to_device(qn[a:b]), to_device(k[a:b]), to_device(mixed), V0, to_device(g[a:b]),
                 to_device(beta[a:b]), start_row + a, slot, states,
             )
@@ -74,8 +74,8 @@ def test_delta_chunked_matches_twin(start_row, rows, key_heads, value_heads, key
 @pytest.mark.parametrize("cols, threads", [(32, 128), (16, 64), (8, 32)], ids=["cols-32", "threads-64", "cols-8"])
 def test_delta_chunked_phase2_variants_match_twin(monkeypatch, cols, threads):
     """The other phase-2 block shapes (STATE_COLS, STATE_THREADS) give the twin's numbers."""
-    monkeypatch.setattr(delta_rule, "STATE_COLS", cols)
-    monkeypatch.setattr(delta_rule, "STATE_THREADS", threads)
+    monkeypatch.setattr(delta_chunked, "STATE_COLS", cols)
+    monkeypatch.setattr(delta_chunked, "STATE_THREADS", threads)
     r = rng()
     inputs = _inputs(r, 40, 1, 2, 16, 36)
     state0 = (r.normal(size=(1, 2, 16, 36)) * 0.3).astype(np.float32)
@@ -109,7 +109,7 @@ def test_delta_chunked_is_bit_identical_on_the_64_row_grid(start_row, rows, chun
 def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
     """Sub-chunks anchored at the chunk start instead of absolute multiples of 64: a chunk
     from row 100 in one piece no longer matches the same rows cut at row 128."""
-    monkeypatch.setattr(delta_rule, "_subchunk_offset", lambda start_row: 0)
+    monkeypatch.setattr(delta_chunked, "_subchunk_offset", lambda start_row: 0)
     r = rng()
     inputs = _inputs(r, 156, 1, 1, 8, 8)
     state0 = (r.normal(size=(1, 1, 8, 8)) * 0.3).astype(np.float32)
@@ -149,4 +149,4 @@ def test_delta_chunked_rejects_what_does_not_fit(field):
     mixed = to_device(np.zeros((4, value_heads * 4), np.float32))
     gates = to_device(np.zeros((4, value_heads), np.float32))
     with pytest.raises(ValueError):
-        delta_rule.delta_chunked(qn, qn, mixed, 0, gates, gates, 0, 5 if field == "slot" else 0, states)
+        delta_chunked.delta_chunked(qn, qn, mixed, 0, gates, gates, 0, 5 if field == "slot" else 0, states)
