@@ -4,9 +4,11 @@ and where the host time goes (cProfile), at real Qwen3.5 shapes with random weig
 A continuation after a warm pass prefills a few dozen rows; on the GPU that is a read of
 every weight (27B: ~12 ms at 4.3 TB/s) plus hundreds of launches, and the wall time is what
 the receipt's TTFT ratio sees. For each rows in --rows at context --context: wall seconds of
-`backend.prefill` (logits on the host), the device seconds between two events around the
-same call queued behind a spin kernel (so the host's launch time is hidden), and the top
-functions of one call under cProfile by own time.
+`backend.prefill` (logits on the host); the device seconds of the same chunk launched by
+`backend.prefill_step` from inputs already on the device, queued behind a spin kernel (so the
+host's launch time is hidden: `prefill` itself copies its inputs from pageable host memory,
+which waits for the spin, so it cannot be timed this way); and the top functions of one call
+under cProfile by own time.
 Usage (GPU machine): python -m bench.prefill_overhead [--presets qwen3.5-2b,qwen3.5-27b]
     [--rows 1,16,64,256] [--context 4096] [--out DIR]
 """
@@ -33,6 +35,7 @@ from executor.numba_cuda.device import (
     new_event,
     spin,
     synchronize,
+    to_device,
 )
 from executor.presets import preset
 
@@ -63,10 +66,14 @@ def measure(name: str, rows_list: list[int], context: int, repeat: int, seed: in
             t0 = time.perf_counter()
             _prefill(backend, state, chunk, context)
             walls.append(time.perf_counter() - t0)
+        args = [to_device(np.asarray(a, np.int32)) for a in
+                (ids[context : context + rows], np.arange(context, context + rows), np.full(rows, state.slot),
+                 [state.slot], [0, rows])]
+        synchronize()
         spin(1000.0)
         start, stop = new_event(), new_event()
         start.record()
-        _prefill(backend, state, chunk, context)
+        backend.prefill_step(*args, context + rows - 1, slot=state.slot)
         stop.record()
         device = elapsed_seconds(start, stop)
         prof = cProfile.Profile()
