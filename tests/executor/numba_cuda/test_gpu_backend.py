@@ -62,19 +62,20 @@ reference itself already moves these random models' logits by up to 2.9% (gva-un
 issue's 1e-2 is out of reach for bf16 activations (see test_logits_within_1e-2)."""
 
 
-def _teacher_forced(ref, gpu, steps=32):
+def _teacher_forced(ref, gpu, steps=32, steps_out=None):
     """Relative logits errors over a prefill and `steps` decode steps that feed both
-    backends the reference's greedy tokens; and the two greedy token lists."""
+    backends the reference's greedy tokens; and the two greedy token lists. `steps_out`,
+    when a list, gets per step (the reference's margin between its pick and the GPU's pick,
+    the largest |logit deviation| of the step)."""
     ids = _prompt(gpu.config, 57, 1)
     rs, gs = ref.new_state(), gpu.new_state()
     rl, gl = ref.prefill(rs, ids, (0, 57)), gpu.prefill(gs, ids, (0, 57))
     errors, rt, gt = [_rel(rl, gl)], [], []
-    _teacher_forced.ties = []
-    for step in range(steps):
+    for _ in range(steps):
         rt.append(int(np.argmax(rl)))
         gt.append(int(np.argmax(gl)))
-        if rt[-1] != gt[-1]:  # the reference's margin between the two picks vs the measured deviation
-            _teacher_forced.ties.append((step, float(rl[rt[-1]] - rl[gt[-1]]), float(np.abs(gl - rl).max())))
+        if steps_out is not None:
+            steps_out.append((float(rl[rt[-1]] - rl[gt[-1]]), float(np.abs(gl - rl).max())))
         rl, gl = ref.decode([rs], [rt[-1]])[0], gpu.decode([gs], [rt[-1]])[0]
         errors.append(_rel(rl, gl))
     gpu.release(gs)
@@ -122,15 +123,18 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     monkeypatch.setattr(ops, "causal_conv1d", lambda x, tail, w: conv1d(r(x), r(tail), w))
     monkeypatch.setattr(ops, "attention", lambda q, k, v, start: (
         _matrix_attention_roundings(q, r(k), r(v), start) if len(q) > 1 else attend(q, r(k), r(v), start)))
-    errors, rt, gt = _teacher_forced(*models)
+    steps = []
+    errors, rt, gt = _teacher_forced(*models, steps_out=steps)
     print(f"vs bf16-emulating reference: max {max(errors):.2e} median {np.median(errors):.2e}")
     # Measured on the H200: gva-untied max 2.3e-3, tied-deep max 1.1e-2 / median 3.0e-3 (a
     # bf16 probability that rounds the other way, carried through eight layers)
     assert max(errors) < 2e-2 and np.median(errors) < 5e-3
-    # greedy equal, except where the reference's two picks are closer than the measured
-    # logit deviation at that step (the issue's exception, reported)
-    print(f"greedy differs at (step, reference margin, max |logit deviation|): {_teacher_forced.ties}")
-    assert all(margin < deviation for _, margin, deviation in _teacher_forced.ties)
+    # greedy equal, except where the reference's two picks are closer than the run's measured
+    # logit error (the median over steps of the largest |deviation|: the issue's exception)
+    typical = float(np.median([deviation for _, deviation in steps]))
+    flips = [(i, margin) for i, (margin, _) in enumerate(steps) if rt[i] != gt[i]]
+    print(f"greedy differs at (step, reference margin): {flips}; measured logit error {typical:.3e}")
+    assert all(margin < typical for _, margin in flips)
     assert sum(a == b for a, b in zip(rt, gt)) >= 30
 
 
