@@ -24,7 +24,7 @@ from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_prep, conv, delta_chunked, delta_rule, device_weights,
                                  elementwise, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
-from executor.numba_cuda.device import empty, to_device
+from executor.numba_cuda.device import columns, empty, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
 from executor.numba_cuda.gemm import Gemm
 from executor.numba_cuda.gemv import gemv
@@ -126,9 +126,10 @@ class NumbaCudaBackend:
         c, w = self.config, self.w.layers[i]
         ch, vd, vh = c.conv_channels, c.linear_value_dim, c.linear_num_value_heads
         proj = mm(h, w["in_proj"], stream=stream)  # [rows, ch + vd + 2 vh]: qkv | z | b | a
-        mixed = conv.causal_conv1d(proj[:, :ch], row_start, slots, w["conv"], self.pool.conv[li], stream=stream)
-        b = proj[:, ch + vd : ch + vd + vh]
-        a = proj[:, ch + vd + vh :]
+        mixed = conv.causal_conv1d(columns(proj, 0, ch), row_start, slots, w["conv"], self.pool.conv[li],
+                                   stream=stream)
+        b = columns(proj, ch + vd, ch + vd + vh)
+        a = columns(proj, ch + vd + vh, ch + vd + 2 * vh)
         qn, kn, g, beta = delta_rule.delta_prep(mixed, a, b, w["a_log"], w["dt_bias"], c.linear_num_key_heads,
                                                 c.linear_key_head_dim, stream=stream)
         if at is None:  # decode: one row per lane, the recurrent step
@@ -137,7 +138,7 @@ class NumbaCudaBackend:
         else:  # prefill: the chunked form, sub-chunks anchored at absolute multiples of 64
             out = delta_chunked.delta_chunked(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
                                            self.pool.recurrent[li], stream=stream)
-        gated = norms.gated_rms_norm(out, proj[:, ch : ch + vd], w["norm"], c.rms_norm_eps, stream=stream)
+        gated = norms.gated_rms_norm(out, columns(proj, ch, ch + vd), w["norm"], c.rms_norm_eps, stream=stream)
         return mm(gated, w["out_proj"], stream=stream)
 
     def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, at, stream):

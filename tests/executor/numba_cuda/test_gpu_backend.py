@@ -138,6 +138,23 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     assert sum(a == b for a, b in zip(rt, gt)) >= 30
 
 
+def test_column_slicer_builds_numba_s_view_in_constant_time():
+    from executor.numba_cuda.device import ColumnSlicer, to_device
+
+    host = np.arange(7 * 40, dtype=np.float32).reshape(7, 40)
+    array = to_device(host)
+    slicer = ColumnSlicer()
+    first = slicer(array, 3, 17)  # checked against numba's slice, which it returns
+    assert slicer.fast is True
+    for lo, hi in ((0, 40), (3, 17), (39, 40), (12, 13)):
+        view = slicer(array, lo, hi)
+        want = array[:, lo:hi].__cuda_array_interface__
+        assert {k: view.__cuda_array_interface__[k] for k in ("shape", "strides", "data")} == {
+            k: want[k] for k in ("shape", "strides", "data")}
+        np.testing.assert_array_equal(view.copy_to_host(), host[:, lo:hi])
+    np.testing.assert_array_equal(first.copy_to_host(), host[:, 3:17])
+
+
 def test_device_pool_reuses_a_block_only_after_every_view_is_gone():
     import gc
 
