@@ -312,6 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, RuntimeError) as exc:  # e.g. the port is taken, no usable GPU for --backend cuda
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a checkpoint that cannot be served (CheckpointError names the file)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

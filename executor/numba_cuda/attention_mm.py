@@ -59,7 +59,10 @@ from executor.numba_cuda.gemm import (
 from executor.safetensors_file import bf16_to_f32 as host_bf16_to_f32
 
 if not IS_SIMULATOR:
-    from nvmath.bindings import cublasLt as lt
+    try:
+        from nvmath.bindings import cublasLt as lt
+    except ImportError:  # CPU-only installs (no `.[cuda]` extra): creating a handle says so
+        lt = None
 
 ROW_THREADS = 8 if IS_SIMULATOR else 256
 """Threads per softmax row block (keys t, t + ROW_THREADS, ... per thread, then a tree);
@@ -187,6 +190,8 @@ class MatrixAttention:
         self._zero = np.zeros(1, np.float32)
         if IS_SIMULATOR:
             return
+        if lt is None:
+            raise RuntimeError("cuBLASLt needs nvmath-python: pip install -e '.[cuda]'")
         self._handle = lt.create()
         self._workspace = empty((WORKSPACE_BYTES,), np.uint8)
         self._descs = {}

@@ -17,7 +17,10 @@ from executor.numba_cuda.device import IS_SIMULATOR, check, empty, to_device
 from executor.safetensors_file import bf16_to_f32
 
 if not IS_SIMULATOR:
-    from nvmath.bindings import cublasLt as lt
+    try:
+        from nvmath.bindings import cublasLt as lt
+    except ImportError:  # CPU-only installs (no `.[cuda]` extra): creating a handle says so
+        lt = None
 
 CUDA_R_16BF = 14
 CUDA_R_32F = 0
@@ -76,6 +79,8 @@ class Gemm:
         self.pinned: dict[tuple[int, int], dict] = {}
         if IS_SIMULATOR:
             return
+        if lt is None:
+            raise RuntimeError("cuBLASLt needs nvmath-python: pip install -e '.[cuda]'")
         self._handle = lt.create()
         self._workspace = empty((WORKSPACE_BYTES,), np.uint8)
         self._desc = lt.matmul_desc_create(COMPUTE_32F, CUDA_R_32F)
