@@ -52,7 +52,11 @@ def facts_for(profile: Profile, invariant_rows: str | int | None = "profile") ->
         return BackendFacts(profile.invariant_rows)
     if invariant_rows is None or str(invariant_rows).lower() == "none":
         return BackendFacts(None)
-    return BackendFacts(int(invariant_rows))
+    try:
+        rows = int(invariant_rows)
+    except ValueError:
+        raise ValueError(f"invariant_rows: must be a positive integer, 'none' or 'profile', got {invariant_rows!r}") from None
+    return BackendFacts(rows)
 
 
 @attrs.frozen

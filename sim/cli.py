@@ -8,17 +8,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from policy.config import policy_to_dict
-from sim.api import DEFAULT_WORKLOAD, facts_for, git_commit, load_policy_file, load_workload, simulate
+from sim.api import (
+    DEFAULT_WORKLOAD,
+    facts_for,
+    git_commit,
+    load_policy_file,
+    load_workload,
+    simulate,
+)
 from sim.cost import load_profile
 from sim.invariants import InvariantBroken
 from sim.summary import format_table, format_value, summary_table
 
 DEFAULT_PROFILE = "qwen3.5-9b-h200-roofline"
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 examples would report success having run nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -152,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--top", type=int, default=10, help="requests to list (default: %(default)s)")
     diff.set_defaults(fn=cmd_diff)
     fz = sub.add_parser("fuzz", help="random workloads and policies under every invariant (Hypothesis)")
-    fz.add_argument("--examples", type=int, default=200, help="examples to try (default: %(default)s)")
+    fz.add_argument("--examples", type=_positive_int, default=200, help="examples to try (default: %(default)s)")
     fz.add_argument("--minutes", type=float, default=None, help="stop after this many minutes instead")
     fz.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default: %(default)s)")
     fz.add_argument("--profile", default=DEFAULT_PROFILE, help="cost profile (default: %(default)s)")
@@ -181,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except InvariantBroken as err:
         print(err, file=sys.stderr)
         return 3

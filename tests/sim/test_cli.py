@@ -94,3 +94,22 @@ def test_bad_policy_key_names_the_key(tmp_path, capsys):
     bad.write_text("grid_row = 4096\n")
     assert main(["run", "--policy", str(bad), "--workload", "chat"]) == 2
     assert "unknown policy key 'grid_row'" in capsys.readouterr().err
+
+
+def test_bad_counts_and_invariant_rows_name_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fuzz", "--examples", "0"])
+    assert exc.value.code == 2 and "--examples: must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["run", "--invariant-rows", "abc"]) == 2
+    assert "invariant_rows: must be a positive integer, 'none' or 'profile', got 'abc'" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_is_not_a_crash():
+    """`python -m sim run | head -1` ends quietly (no BrokenPipeError traceback)."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "sim", "run"], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err, err
