@@ -353,8 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("cuda", "reference"), default="cuda",
                     help="cuda: random weights at --presets shapes on the GPU; reference: NumPy on --model (default: cuda)")
-    ap.add_argument("--presets", default="qwen3.5-2b,qwen3.5-9b,qwen3.5-27b",
-                    help="comma-separated executor.presets names, cuda only (default: %(default)s)")
+    ap.add_argument("--presets", help="comma-separated executor.presets names, cuda only "
+                                      "(default: qwen3.5-2b,qwen3.5-9b,qwen3.5-27b)")
     ap.add_argument("--model", type=Path, help="checkpoint directory, reference only (default: the built-in tiny model)")
     ap.add_argument("--grid", choices=sorted(GRIDS), help="grid preset (default: full on cuda, tiny on reference)")
     ap.add_argument("--rows", help="override the grid's prefill rows, e.g. 1,64,4096")
@@ -377,11 +377,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.backend == "reference" and args.presets:
+        print("error: --presets is for --backend cuda; the reference backend profiles --model", file=sys.stderr)
+        return 2
+    if args.backend == "cuda":
+        from executor.numba_cuda.device import is_gpu_available
+
+        if not is_gpu_available():
+            print("error: --backend cuda needs an NVIDIA GPU with numba-cuda and nvmath-python "
+                  "(pip install -e '.[cuda]'); on a CPU use --backend reference", file=sys.stderr)
+            return 2
+    presets = args.presets or "qwen3.5-2b,qwen3.5-9b,qwen3.5-27b"
     if args.backend == "reference":
         targets: list[tuple[str, Callable[[], Rig]]] = [
             (str(args.model or "tiny"), lambda: reference_rig(args.model or tiny_model_dir()))]
     else:
-        targets = [(p, lambda p=p: cuda_rig(p, grid, args.graphs)) for p in args.presets.split(",")]
+        targets = [(p, lambda p=p: cuda_rig(p, grid, args.graphs)) for p in presets.split(",")]
     if args.name and len(targets) > 1:
         print("error: --name needs a single model", file=sys.stderr)
         return 2

@@ -166,3 +166,12 @@ def test_tiny_reference_profile_runs_the_simulator(tmp_path, capsys):
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "profile tiny-qwen3_5-v1-reference (measured)" in run.stdout and "requests" in run.stdout
+
+
+def test_cli_errors_name_the_flag(capsys):
+    from bench.profile import main
+
+    assert main(["--backend", "reference", "--presets", "qwen3.5-2b"]) == 2
+    assert "--presets is for --backend cuda" in capsys.readouterr().err
+    assert main(["--backend", "reference", "--rows", "0,x"]) == 2
+    assert "error:" in capsys.readouterr().err
