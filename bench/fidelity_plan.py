@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import queue
 import random
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,8 +18,8 @@ from typing import Any
 import aiohttp
 import attrs
 
-ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"^ready (http://\S+)$")
+from executor.server_process import start_server, stop_server
+
 _WORD_TEXT = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point "
@@ -235,39 +228,12 @@ async def run_plan(url: str, plan: Plan, thinking: bool, log) -> list[dict[str, 
 
 
 class Server:
-    """A `python -m executor.serve` process on a free port, its trace and log in `out`."""
+    """A `python -m executor.serve` process on a free port, its log in `out` (server.log)."""
 
     def __init__(self, out: Path, args: Sequence[str], timeout_s: float) -> None:
         self.log_path = out / "server.log"
-        self._log = self.log_path.open("w")
-        cmd = [sys.executable, "-m", "executor.serve", "--host", "127.0.0.1", "--port", "0", *args]
-        self.command = cmd
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                match = READY.match(lines.get(timeout=0.2).strip())
-            except queue.Empty:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    tail = self.log_path.read_text()[-3000:]
-                    raise RuntimeError(f"the server did not get ready ({' '.join(cmd)}):\n{tail}") from None
-                continue
-            if match:
-                self.url = match.group(1)
-                return
+        self.proc, self.url, self.command = start_server(args, self.log_path, timeout_s)
 
     def stop(self) -> int | None:
         """SIGTERM, then kill after 30 s; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return stop_server(self.proc, 30.0)

@@ -39,17 +39,12 @@ import collections
 import hashlib
 import http.client
 import json
-import os
-import queue
-import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -60,10 +55,10 @@ from typing import Any
 import attrs
 
 from executor.chat import ChatRenderer, builtin_template, load_template
+from executor.server_process import start_server, stop_server
 from executor.tokenizer import default_tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"^ready (http://\S+)$")
 FILLER = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "was", "on", "with", "as", "at", "by")
 """Words that are one token each after a space in the Qwen3.5 vocabulary: padding grows a
 prompt by exactly one row per word (checked at start)."""
@@ -122,33 +117,20 @@ class Server:
         (cache-off: plus `--prompt-cache-gib 0`), stderr to DIR/NAME.log; returns once it
         prints `ready URL`. Raises BenchError with the log's tail when it does not."""
         trace, log = workdir / f"{name}.trace.jsonl", workdir / f"{name}.log"
-        command = [sys.executable, "-m", "executor.serve", *server_args, "--host", "127.0.0.1", "--port", "0",
-                   "--trace", str(trace), *([] if cache_on else ["--prompt-cache-gib", "0"])]
-        with log.open("w") as err:
-            proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                match = READY.match(lines.get(timeout=0.2).strip())
-            except queue.Empty:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    _end(proc)
-                    tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
-                    raise BenchError(f"server {name} did not get ready: {shlex.join(command)}\n{tail}") from None
-                continue
-            if match:
-                try:
-                    return cls(match.group(1), cache_on, proc, trace, command)
-                except OSError:
-                    _end(proc)
-                    raise
+        args = [*server_args, "--trace", str(trace), *([] if cache_on else ["--prompt-cache-gib", "0"])]
+        try:
+            proc, url, command = start_server(args, log, timeout_s)
+        except RuntimeError as exc:
+            raise BenchError(f"server {name}: {exc}") from None
+        try:
+            return cls(url, cache_on, proc, trace, command)
+        except OSError:
+            stop_server(proc)
+            raise
 
     def stop(self) -> None:
         if self.proc is not None:
-            _end(self.proc)
+            stop_server(self.proc)
 
     def warm_counts(self) -> dict[str, float]:
         """Warm pass events so far (/metrics), and `rows`: rows warm passes pre-filled."""
@@ -168,17 +150,6 @@ class Server:
                 return True
             time.sleep(0.01)
         return False
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 60 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # --- one turn -------------------------------------------------------------------------------------
