@@ -23,6 +23,7 @@ import logging
 import signal
 import subprocess
 import sys
+import tomllib
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,7 +136,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Resolve the policy file and flags into a ServeConfig; ValueError naming the field."""
-    policy = parse_policy(args.policy.read_text(encoding="utf-8")) if args.policy else PolicyConfig()
+    try:
+        policy = parse_policy(args.policy.read_text(encoding="utf-8")) if args.policy else PolicyConfig()
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--policy {args.policy}: not valid TOML: {exc}") from None
     changes: dict[str, Any] = {}
     if args.prompt_cache_gib is not None:
         if not args.prompt_cache_gib >= 0:

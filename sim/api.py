@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import IO
 
@@ -27,7 +28,10 @@ def load_policy_file(path: str | Path | None) -> PolicyConfig:
     """PolicyConfig from a TOML file of its fields; None gives the defaults (policies/default.toml)."""
     if path is None:
         return PolicyConfig()
-    return parse_policy(Path(path).read_text())
+    try:
+        return parse_policy(Path(path).read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
 
 
 def load_workload(spec: str, seed: int) -> Workload:

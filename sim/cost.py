@@ -261,7 +261,7 @@ class Profile:
             keys = total + lanes
             a = (lane_flops + pair * keys) / peak
             b = (weights + keys * row_bytes + fixed) / bw
-            t += (a if a > b else b) + overhead
+            t += (max(b, a)) + overhead
             rounds += 1
             if t >= stop:
                 break
@@ -365,6 +365,9 @@ def profile_from_dict(obj: Any) -> Profile:
         raise ValueError(f"invariant_rows: must be null or a positive integer, got {g!r}")
     names = [a.name for a in attrs.fields(ModelShape)]
     shape = _keys(obj["shape"], "shape.", names[:9], names[9:])
+    for key, value in shape.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"shape.{key}: must be an integer, got {value!r}")
     try:
         model_shape = ModelShape(**shape)
     except (ValueError, TypeError) as e:

@@ -113,3 +113,10 @@ def test_a_reader_that_goes_away_is_not_a_crash():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err, err
+
+
+def test_malformed_policy_toml_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("lanes = \n")
+    assert main(["run", "--policy", str(bad)]) == 2
+    assert f"{bad}: not valid TOML" in capsys.readouterr().err

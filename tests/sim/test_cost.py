@@ -243,3 +243,10 @@ def test_shipped_analytic_files_are_what_make_profiles_writes(tmp_path):
         shipped = json.loads((ROOT / "sim" / "profiles" / f"{name}.json").read_text())
         if shipped["source"] == "analytic":
             assert json.loads((tmp_path / f"{name}.json").read_text()) == shipped
+
+
+def test_a_shape_field_of_the_wrong_type_is_named(tmp_path):
+    d = json.loads((ROOT / "sim" / "profiles" / "qwen3.5-2b-h200.json").read_text())
+    d["shape"]["linear_layers"] = "x"
+    with pytest.raises(ValueError, match=r"^shape\.linear_layers: must be an integer, got 'x'$"):
+        profile_from_dict(d)
