@@ -360,7 +360,7 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     log(f"{name}: weights + pool + warm-up {time.perf_counter() - t0:.1f} s")
     mat = backend.matrix_attention
     result["prefill_attention"] = {"kind": backend.prefill_attention, "pinned": {f"{k[0]}@{k[1]}": v for k, v in mat.pinned.items()},
-                                   "failure": getattr(mat, "failure", None)}
+                                   "failure": mat.failure}
     log(f"{name}: prefill attention {result['prefill_attention']}")
     profile = name in cfg.profile
     for ctx in cfg.contexts:

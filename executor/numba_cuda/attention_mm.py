@@ -184,6 +184,8 @@ class MatrixAttention:
 
     def __init__(self) -> None:
         self.pinned: dict[tuple[str, int], dict] = {}
+        self.failure: str | None = None
+        """Why `ready` said no (None when it has not, or said yes)."""
         self._algos: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
         self._scratch: dict[str, object] = {}
         self._one = np.ones(1, np.float32)

@@ -21,6 +21,10 @@ from numba import cuda
 IS_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 """True when numba.cuda is the CUDA simulator (NUMBA_ENABLE_CUDASIM=1 before import)."""
 
+if not IS_SIMULATOR:  # DevicePool and ColumnSlicer build arrays on these (the simulator has neither)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    from numba.cuda.cudadrv.driver import AutoFreePointer
+
 THREADS = 128
 """Threads per block of every kernel here (a multiple of the warp, a power of two)."""
 
@@ -157,9 +161,6 @@ class DevicePool:
 
     def array(self, shape: tuple, dtype: np.dtype, stream=0):
         """A C-contiguous device array of `shape` and `dtype` on a pooled block."""
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
-        from numba.cuda.cudadrv.driver import AutoFreePointer
-
         nbytes = int(np.prod(shape)) * dtype.itemsize
         block = self._block(_size_class(nbytes))
         root = block.gpu_data
@@ -216,8 +217,6 @@ class ColumnSlicer:
         self.fast: bool | None = None if not IS_SIMULATOR else False
 
     def _view(self, array, lo: int, hi: int):
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
-
         rows, cols = array.shape
         item = array.dtype.itemsize
         data = array.gpu_data.view(lo * item, ((rows - 1) * cols + hi) * item)
