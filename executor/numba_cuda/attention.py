@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, check, empty, f32_to_bf16
+from executor.numba_cuda.launch import fast
 
 TILE_ROWS = 8
 """Query rows per prefill tile (they share each key block's loads)."""
@@ -40,6 +41,7 @@ _F32 = np.float32
 _NEG_INF = _F32(-np.inf)
 
 
+@fast
 @cuda.jit
 def _partial_kernel(q, q_slot, q_pos, tile_rows, kcache, vcache, split_rows, m_out, l_out, o_out):
     # q: [nq, q_heads, head_dim] f32; q_slot, q_pos: [nq] i32 (a tile shares its slot;
@@ -175,6 +177,7 @@ def _decode_kernel(group: int, dims: int):
     per lane (head_dim <= 32 * dims)."""
     width = WARP * dims
 
+    @fast
     @cuda.jit
     def kernel(q, q_slot, q_pos, kcache, vcache, split_rows, m_out, l_out, o_out):
         # q: [nq, q_heads, head_dim] f32; kcache, vcache: [slots, capacity, kv_heads, head_dim] bf16
@@ -261,6 +264,7 @@ def _decode_kernel(group: int, dims: int):
     return kernel
 
 
+@fast
 @cuda.jit
 def _combine_kernel(q_pos, split_rows, m_in, l_in, o_in, qg, out):
     # m_in, l_in: [nq, q_heads, splits]; o_in: [nq, q_heads, splits, head_dim] f32

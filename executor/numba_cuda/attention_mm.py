@@ -56,6 +56,7 @@ from executor.numba_cuda.gemm import (
     _stream_ptr,
     without_split_k,
 )
+from executor.numba_cuda.launch import fast
 from executor.safetensors_file import bf16_to_f32 as host_bf16_to_f32
 
 if not IS_SIMULATOR:
@@ -92,6 +93,7 @@ def tile_rows(rows: int, heads: int, keys: int, budget: int = TILE_BYTES) -> int
 # numba kernels ----------------------------------------------------------------------------
 
 
+@fast
 @cuda.jit
 def _pack_kernel(q, lo, group, qb):
     # q: [rows, q_heads, head_dim] f32; qb: [kv_heads, tile * group, head_dim] bf16
@@ -103,6 +105,7 @@ def _pack_kernel(q, lo, group, qb):
         qb[h, r, d] = f32_to_bf16(q[lo + i, head, d])
 
 
+@fast
 @cuda.jit
 def _softmax_kernel(s, first_pos, group, keys, p, sums):
     # s: [kv_heads, tile * group, padded] f32; p: same shape, bf16; sums: [kv_heads, tile * group] f32
@@ -143,6 +146,7 @@ def _softmax_kernel(s, first_pos, group, keys, p, sums):
         sums[h, r] = red[0]
 
 
+@fast
 @cuda.jit
 def _finish_kernel(o, sums, qg, lo, group, out):
     # o: [kv_heads, tile * group, head_dim] f32; qg: [rows, q_heads * 2 * head_dim] f32

@@ -14,6 +14,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
+from executor.numba_cuda.launch import fast
 from executor.numba_cuda.norms import block_sum
 
 MAX_HEAD_DIM = 512
@@ -58,6 +59,7 @@ def _norm_rope(src, row, col0, dim, weight, freqs, position, eps, vals, buf):
     cuda.syncthreads()
 
 
+@fast
 @cuda.jit
 def _q_kernel(qg, weight, freqs, positions, eps, head_dim, out):
     # qg: [rows, heads * 2 * head_dim] f32; positions: [rows] i32; out: [rows, heads, head_dim] f32
@@ -90,6 +92,7 @@ def q_norm_rope(qg, weight, freqs, positions, eps: float, heads: int, head_dim: 
     return out
 
 
+@fast
 @cuda.jit
 def _kv_kernel(kv, weight, freqs, positions, slots, eps, kcache, vcache):
     # kv: [rows, 2 * kv_heads * head_dim] f32 (K columns, then V columns)

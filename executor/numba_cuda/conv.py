@@ -24,12 +24,14 @@ from executor.numba_cuda.device import (
     empty,
     f32_to_bf16,
 )
+from executor.numba_cuda.launch import fast
 
 ROW_TILE = 8
 """Consecutive rows of one channel each conv thread computes in prefill (1 in decode)."""
 _F32 = np.float32
 
 
+@fast
 @cuda.jit
 def _conv_kernel(x, row_start, slots, weight, tails, row_tile, out):
     # x: [rows, channels] f32 (may be a column slice); row_start: [lanes + 1] i32
@@ -66,6 +68,7 @@ def _conv_kernel(x, row_start, slots, weight, tails, row_tile, out):
         out[r, c] = acc / (_F32(1.0) + math.exp(-acc))
 
 
+@fast
 @cuda.jit
 def _tail_kernel(x, row_start, slots, tails):
     # x: [rows, channels] f32; row_start: [lanes + 1] i32; slots: [lanes] i32

@@ -14,6 +14,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, empty
+from executor.numba_cuda.launch import fast
 
 MAX_KEY_DIM = 256
 _F32 = np.float32
@@ -53,6 +54,7 @@ def _subchunk_kernel(key_heads: int, key_dim: int):
     the [C, C] products. qn and kn come flat ([rows * key_heads * key_dim])."""
     row_len = key_heads * key_dim
 
+    @fast
     @cuda.jit
     def kernel(qn, kn, g, beta, off, tmats, din, dout):
         # qn, kn: flat [rows, key_heads, key_dim] f32; g, beta: [rows, value_heads] f32
@@ -207,6 +209,7 @@ def _state_kernel(cols: int, threads: int, key_heads: int, key_dim: int):
     capped = not IS_SIMULATOR and threads == THREADS and cols <= 16 and key_dim <= 128
     options = {"max_registers": _STATE_MAX_REGISTERS} if capped else {}
 
+    @fast
     @cuda.jit(**options)
     def kernel(qn, kn, mixed, v0, beta, off, slot, tmats, din, dout, states, out):
         # qn, kn: flat [rows, key_heads, key_dim] f32; mixed: [rows, channels] f32 (v at column v0)

@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import THREADS, check, empty
+from executor.numba_cuda.launch import fast
 
 MAX_KEY_DIM = 256
 VALUE_COLS = 16
@@ -27,6 +28,7 @@ KEY_GROUPS = THREADS // VALUE_COLS
 _F32 = np.float32
 
 
+@fast
 @cuda.jit
 def _prep_kernel(mixed, a, b, a_log, dt_bias, key_heads, key_dim, qn, kn, g, beta):
     # mixed: [rows, 2 * key_heads * key_dim + value_dim] f32 (conv output: q | k | v)
@@ -91,6 +93,7 @@ def delta_prep(mixed, a, b, a_log, dt_bias, key_heads: int, key_dim: int, stream
     return qn, kn, g, beta
 
 
+@fast
 @cuda.jit
 def _recurrence_kernel(qn, kn, mixed, v0, g, beta, row_start, slots, states, out):
     # qn, kn: [rows, key_heads, key_dim] f32; mixed: [rows, channels] f32 (v at column v0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import os
 import threading
 
@@ -161,7 +162,7 @@ class DevicePool:
 
     def array(self, shape: tuple, dtype: np.dtype, stream=0):
         """A C-contiguous device array of `shape` and `dtype` on a pooled block."""
-        nbytes = int(np.prod(shape)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         block = self._block(_size_class(nbytes))
         root = block.gpu_data
         with self._lock:
@@ -243,8 +244,12 @@ columns = ColumnSlicer()
 
 
 def device_pointer(array) -> int:
-    """The device address of an array's first element."""
-    return int(array.__cuda_array_interface__["data"][0])
+    """The device address of an array's first element (numba-cuda's `ptr` attribute when it
+    has one: building `__cuda_array_interface__` costs microseconds on every GEMM)."""
+    ptr = getattr(array, "ptr", None)
+    if ptr is None:
+        return int(array.__cuda_array_interface__["data"][0])
+    return int(ptr)
 
 
 def zeros(shape, dtype, stream=0):

@@ -13,10 +13,12 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import THREADS, bf16_to_f32, blocks, check, empty, f32_to_bf16
+from executor.numba_cuda.launch import fast
 
 _F32 = np.float32
 
 
+@fast
 @cuda.jit
 def _embed_kernel(token_ids, table, out):
     # token_ids: [rows] i32; table: [vocab, hidden] bf16; out: [rows, hidden] f32
@@ -41,6 +43,7 @@ def embed(token_ids, table, out=None, stream=0):
     return out
 
 
+@fast
 @cuda.jit
 def _swiglu_kernel(gate_up, out):
     # gate_up: [rows, 2 * inter] f32 (gate columns, then up columns); out: [rows, inter] bf16

@@ -5,7 +5,17 @@ Y[M, N] = X[M, K] @ W[N, K]^T, bf16 inputs, fp32 compute and fp32 output. cuBLAS
 default heuristics pick by M and are not row-invariant for some Qwen3.5 shapes (GPU notes
 in DESIGN.md), so `pin` takes the heuristic candidates at a reference M without split-K,
 and keeps the first one whose rows at probe row counts equal its rows at the reference M
-bit for bit on random data; that algorithm then runs for every M. Twin: ops.linear.
+bit for bit on random data: the reference algorithm, whose bits define every row.
+
+Short chunks: the reference algorithm (tiled for M = 2048) streams the weights at 0.4-2 TB/s
+when M is 1 to 256 (27B down_proj: 202 us at M = 16, where another algorithm takes 88 us;
+bench/RESULTS.md, session 3). So for each row-count bucket of BUCKETS, `pin` also asks the
+heuristic at the bucket's top M, keeps the candidates (no split-K) whose output equals the
+reference algorithm's bit for bit at five probe row counts of the bucket, and runs the fastest of
+those and the reference itself (timed on the device) for every M in the bucket. A row's bits
+are the reference algorithm's at every M, so chunk invariance holds (a K-reduction order
+that matches at one M matches at all: the order depends on the K tiling, not on M; the probes
+check it, and the GPU chunk-invariance tests check the whole forward). Twin: ops.linear.
 Under the CUDA simulator (no cuBLAS) `matmul` multiplies the host copies in NumPy.
 """
 
@@ -13,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from executor.numba_cuda.device import IS_SIMULATOR, check, empty, to_device
+from executor.numba_cuda.device import IS_SIMULATOR, check, device_pointer, empty, to_device
 from executor.safetensors_file import bf16_to_f32
 
 if not IS_SIMULATOR:
@@ -32,10 +42,15 @@ WORKSPACE_BYTES = 32 << 20
 REFERENCE_ROWS = 2048
 PROBE_ROWS = (1, 7, 16, 64, 100, 129, 333)
 CANDIDATES = 16
+BUCKETS = ((1, 16), (17, 64), (65, 256), (257, 1024))
+"""Row-count ranges [lo, hi] that get their own (bit-identical, fastest) algorithm; larger M
+runs the reference algorithm."""
+BUCKET_CANDIDATES = 8
+TIMING_REPEATS = 5
 
 
 def _ptr(array) -> int:
-    return int(array.__cuda_array_interface__["data"][0])
+    return device_pointer(array)
 
 
 def _stream_ptr(stream) -> int:
@@ -90,6 +105,7 @@ class Gemm:
         self._beta = np.zeros(1, np.float32)
         self._layouts: dict[tuple[int, int, int], tuple[int, int, int]] = {}
         self._algos: dict[tuple[int, int], np.ndarray] = {}
+        self._buckets: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
 
     def _layout(self, m: int, n: int, k: int) -> tuple[int, int, int]:
         key = (m, n, k)
@@ -100,12 +116,12 @@ class Gemm:
             self._layouts[key] = (a, b, d)
         return self._layouts[key]
 
-    def _candidates(self, n: int, k: int) -> list[np.ndarray]:
+    def _candidates(self, n: int, k: int, m: int = REFERENCE_ROWS) -> list[np.ndarray]:
         pref = lt.matmul_preference_create()
         try:
             _set(lt.matmul_preference_set_attribute, pref, 1, WORKSPACE_BYTES, np.uint64)  # MAX_WORKSPACE_BYTES
             _set(lt.matmul_preference_set_attribute, pref, 3, 0, np.uint32)  # REDUCTION_SCHEME_MASK: none
-            a, b, d = self._layout(REFERENCE_ROWS, n, k)
+            a, b, d = self._layout(m, n, k)
             results = np.zeros(CANDIDATES * HEURISTIC_BYTES, np.uint8)
             count = np.zeros(1, np.int32)
             lt.matmul_algo_get_heuristic(
@@ -153,10 +169,68 @@ class Gemm:
                 continue
             tried.append(f"{index}: {'row-invariant' if same else 'rows differ'}")
             if same:
-                self._algos[key] = algo
                 self.pinned[key] = {"candidate": index, "algo_id": int(algo[0] & 0xFFFFFFFF), "tried": tried}
+                self._buckets[key] = self._bucket_algos(algo, x, w)
+                self._algos[key] = algo
                 return algo
         raise RuntimeError(f"no row-invariant cuBLASLt algorithm for N={n}, K={k}: {tried}")
+
+    def _seconds(self, algo: np.ndarray, x, w, out) -> float:
+        """Device seconds of one product: the mean of TIMING_REPEATS back-to-back runs after a warm-up."""
+        from executor.numba_cuda.device import elapsed_seconds, new_event
+
+        self._run(algo, x, w, out)
+        start, stop = new_event(), new_event()
+        start.record()
+        for _ in range(TIMING_REPEATS):
+            self._run(algo, x, w, out)
+        stop.record()
+        return elapsed_seconds(start, stop) / TIMING_REPEATS
+
+    def _bucket_algos(self, reference: np.ndarray, x, w) -> list[tuple[int, np.ndarray]]:
+        """[(hi, algo)] per BUCKETS range: the fastest candidate whose output equals the
+        reference algorithm's bit for bit at the range's probe row counts (lo, lo + 1, middle,
+        hi - 1, hi), or the reference itself. x: the pinning's random bf16 [REFERENCE_ROWS, K]; w: [N, K]."""
+        n, k = w.shape[0], x.shape[1]
+        host_x = x.copy_to_host()
+        chosen, report = [], []
+        for lo, hi in BUCKETS:
+            probes = sorted({m for m in (lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi) if lo <= m <= hi})
+            inputs = {m: to_device(host_x[:m]) for m in probes}
+            outs = {m: empty((m, n), np.float32) for m in probes}
+            expected = {}
+            for m in probes:
+                self._run(reference, inputs[m], w, outs[m])
+                expected[m] = outs[m].copy_to_host()
+            best, best_s = reference, self._seconds(reference, inputs[hi], w, outs[hi])
+            reference_s, equal = best_s, 0
+            for algo in self._candidates(n, k, hi)[:BUCKET_CANDIDATES]:
+                try:
+                    same = True
+                    for m in probes:
+                        self._run(algo, inputs[m], w, outs[m])
+                        same = same and np.array_equal(outs[m].copy_to_host(), expected[m])
+                    if not same:
+                        continue
+                    equal += 1
+                    seconds = self._seconds(algo, inputs[hi], w, outs[hi])
+                except Exception:  # noqa: BLE001 - an algorithm that rejects this M is not used
+                    continue
+                if seconds < best_s:
+                    best, best_s = algo, seconds
+            chosen.append((hi, best))
+            report.append({"rows": [lo, hi], "bit_equal_candidates": equal, "reference_us": round(reference_s * 1e6, 1),
+                           "chosen_us": round(best_s * 1e6, 1), "algo_id": int(best[0] & 0xFFFFFFFF)})
+        self.pinned[(n, k)]["buckets"] = report
+        return chosen
+
+    def algo_for(self, m: int, n: int, k: int) -> np.ndarray:
+        """The algorithm that runs an [m, K] x [N, K]^T product (pinning (N, K) on first use)."""
+        reference = self.pin(n, k)
+        for hi, algo in self._buckets[(n, k)]:
+            if m <= hi:
+                return algo
+        return reference
 
     def matmul(self, x, w, out=None, stream=0):
         """out = x @ w.T (fp32) with the pinned algorithm of (N, K).
@@ -174,5 +248,5 @@ class Gemm:
             xs, ws = bf16_to_f32(x.copy_to_host()), bf16_to_f32(w.copy_to_host())
             out.copy_to_device((xs.astype(np.float64) @ ws.T.astype(np.float64)).astype(np.float32))
         elif m:
-            self._run(self.pin(n, k), x, w, out, stream)
+            self._run(self.algo_for(m, n, k), x, w, out, stream)
         return out

@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, device_pointer, empty
+from executor.numba_cuda.launch import fast
 
 WARP = 32
 WARPS = THREADS // WARP
@@ -103,6 +104,7 @@ def _dot8(w, x, acc):
 
 
 def _make_kernel(group_rows: int, load16):
+    @fast
     @cuda.jit
     def kernel(x32, w32, chunks, out):
         # x32: [rows * K / 2] u32 (bf16 pairs, row-major), or its u64 view for load8x2;

@@ -14,6 +14,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
+from executor.numba_cuda.launch import fast
 
 _F32 = np.float32
 
@@ -57,6 +58,7 @@ def _wide_sum(buf, value):
     return total
 
 
+@fast
 @cuda.jit
 def _add_rms_norm_kernel(x, delta, has_delta, weight, eps, out):
     # x: [rows, dim] f32 (updated in place when has_delta); delta: [rows, dim] f32
@@ -102,6 +104,7 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0):
     return out
 
 
+@fast
 @cuda.jit
 def _gated_rms_norm_kernel(x, gate, weight, eps, out):
     # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32

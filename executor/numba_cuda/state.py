@@ -15,6 +15,7 @@ from numba import cuda
 from executor.config import Qwen35Config
 from executor.numba_cuda.attention_mm import padded
 from executor.numba_cuda.device import THREADS, blocks, empty, zeros
+from executor.numba_cuda.launch import fast
 
 
 @attrs.define(eq=False)
@@ -37,6 +38,7 @@ class DevicePayload:
     logits: np.ndarray | None
 
 
+@fast
 @cuda.jit
 def _zero_kernel(flat):
     i = cuda.grid(1)

@@ -139,7 +139,7 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
 
 
 def test_column_slicer_builds_numba_s_view_in_constant_time():
-    from executor.numba_cuda.device import ColumnSlicer, to_device
+    from executor.numba_cuda.device import ColumnSlicer, device_pointer, to_device
 
     host = np.arange(7 * 40, dtype=np.float32).reshape(7, 40)
     array = to_device(host)
@@ -152,6 +152,7 @@ def test_column_slicer_builds_numba_s_view_in_constant_time():
         assert {k: view.__cuda_array_interface__[k] for k in ("shape", "strides", "data")} == {
             k: want[k] for k in ("shape", "strides", "data")}
         np.testing.assert_array_equal(view.copy_to_host(), host[:, lo:hi])
+        assert device_pointer(view) == want["data"][0]  # the fast pointer read GEMMs use
     np.testing.assert_array_equal(first.copy_to_host(), host[:, 3:17])
 
 
@@ -406,3 +407,47 @@ def test_facts_claim_the_grid_these_tests_prove(models):
     assert INVARIANT_ROWS == 64
     assert gpu.facts == BackendFacts(invariant_rows=64)
     assert "test_chunk_invariance_on_the_64_row_grid" in NumbaCudaBackend.facts.__doc__
+
+
+def test_fast_launches_give_numba_s_bits(models):
+    """Every kernel of a prefill (two chunks, the second reading logits) and of decode rounds
+    takes the fast launch path (launch.py: no signature rejected by its byte check against
+    numba's own `_prepare_args`), and the logits and states equal those of numba's launches."""
+    from executor.numba_cuda import launch
+
+    if not launch.ENABLED:
+        pytest.skip("WARMSTATE_FAST_LAUNCH=0")
+    _, gpu = models
+    prompts = [_prompt(gpu.config, 70 + 45 * i, 500 + i) for i in range(3)]
+    before = {id(k): k.fast_launches for k in launch.KERNELS}
+    fast, fast_states = _decode_lanes(gpu, prompts, 3, with_states=True)
+    used = [k.name for k in launch.KERNELS if k.fast_launches > before[id(k)]]
+    rejected = {k.name: k.rejected for k in launch.KERNELS if k.rejected}
+    assert not rejected
+    for name in ("_embed_kernel", "_add_rms_norm_kernel", "_conv_kernel", "_swiglu_kernel", "_kv_kernel", "kernel"):
+        assert name in used, f"{name} never launched fast: {sorted(set(used))}"
+    with launch.numba_launches():
+        slow, slow_states = _decode_lanes(gpu, prompts, 3, with_states=True)
+    np.testing.assert_array_equal(fast, slow)
+    assert _same(fast_states, slow_states)
+
+
+@pytest.mark.parametrize(("preset_name", "matrix"), [("qwen3.5-27b", "down"), ("qwen3.5-2b", "in_proj")])
+def test_gemm_rows_are_the_reference_algorithm_s_at_every_row_count(preset_name, matrix):
+    """The per-bucket algorithms (gemm.BUCKETS) give every row the bits of the reference
+    algorithm's M = 1100 product, at row counts inside, between and at the buckets' edges."""
+    from executor.numba_cuda.device import to_device
+    from executor.numba_cuda.device_weights import matrix_shapes
+    from executor.numba_cuda.gemm import Gemm
+    from executor.presets import preset
+
+    n, k = matrix_shapes(preset(preset_name), LINEAR)[matrix]
+    rng = np.random.default_rng(7)
+    bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    x, w = bits((1100, k)), to_device(bits((n, k)))
+    gemm = Gemm()
+    full = gemm.matmul(to_device(x), w).copy_to_host()
+    assert len(gemm.pinned[(n, k)]["buckets"]) == 4
+    for m in (1, 2, 5, 15, 16, 17, 33, 63, 64, 65, 100, 255, 256, 257, 500, 1023, 1024, 1025):
+        part = gemm.matmul(to_device(x[-m:]), w).copy_to_host()
+        assert np.array_equal(part, full[-m:]), f"rows differ at M={m}"
