@@ -304,7 +304,7 @@ class NumbaCudaBackend:
         return DevicePayload(rows=state.rows, data=self.pool.pack(state.slot, state.rows), logits=logits)
 
     def restore(self, payload: DevicePayload) -> DeviceState:
-        state = self.new_state()
+        state = DeviceState(slot=self.pool.take(zero=False))  # unpack overwrites every part
         self.pool.unpack(payload.data, state.slot, payload.rows)
         state.rows = payload.rows
         state.logits = None if payload.logits is None else payload.logits.copy()

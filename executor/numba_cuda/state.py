@@ -2,8 +2,11 @@
 bf16 K/V rows) and payloads that pack a state into exactly config.state_bytes(rows).
 
 Kernels index the pool by slot, so one decode launch serves many streams. A payload is
-one device byte buffer: per linear layer the recurrent matrix then the conv tail, then per
-full-attention layer K rows [0, P) then V rows [0, P).
+one device byte buffer: every linear layer's recurrent matrix, then every linear layer's conv
+tail, then every full-attention layer's K rows [0, P), then their V rows [0, P). Packing and
+unpacking are one strided copy launch per part (4), not one copy per layer and part (128 at
+27B, each tens of microseconds of host time: a keep after every chunk made the server's
+short chunks ~2x slower than the same chunk alone; bench/RESULTS.md, session 3).
 """
 
 from __future__ import annotations
@@ -46,6 +49,46 @@ def _zero_kernel(flat):
         flat[i] = 0
 
 
+@fast
+@cuda.jit
+def _copy_rows_kernel(src, dst):
+    # src, dst: [n, m] of one dtype, any strides: dst[i, j] = src[i, j] (row i per blockIdx.y)
+    i = cuda.blockIdx.y
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    step = cuda.gridDim.x * cuda.blockDim.x
+    while j < src.shape[1]:
+        dst[i, j] = src[i, j]
+        j += step
+
+
+@fast
+@cuda.jit
+def _zero_rows_kernel(dst):
+    # dst: [n, m], any strides: dst[i, j] = 0
+    i = cuda.blockIdx.y
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    step = cuda.gridDim.x * cuda.blockDim.x
+    while j < dst.shape[1]:
+        dst[i, j] = 0
+        j += step
+
+
+MAX_COPY_BLOCKS = 512
+"""Blocks per row of a strided copy (each loops over the rest of its row)."""
+
+
+def _grid(array) -> tuple[int, int]:
+    return (min(blocks(array.shape[1]), MAX_COPY_BLOCKS), array.shape[0])
+
+
+def copy_rows(src, dst) -> None:
+    """dst[:] = src for two [n, m] device arrays of one dtype (any strides), in one launch."""
+    if src.shape != dst.shape or src.dtype != dst.dtype:
+        raise ValueError(f"copy of {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
+    if src.size:
+        _copy_rows_kernel[_grid(src), THREADS](src, dst)
+
+
 class StatePool:
     """Device arrays of `slots` streams of up to `capacity_rows` rows each.
 
@@ -72,48 +115,58 @@ class StatePool:
                 flat = array[layer].reshape(array[layer].size)
                 _zero_kernel[blocks(flat.shape[0]), THREADS](flat)
         self._free = list(range(slots - 1, -1, -1))
+        # [layers, slots, elements per slot] views of the same memory (a slot is one strided row set)
+        self._recurrent3 = self.recurrent.reshape(lin, slots, vh * kd * vd)
+        self._conv3 = self.conv.reshape(lin, slots, (c.linear_conv_kernel_dim - 1) * c.conv_channels)
+        row_elems = c.num_key_value_heads * c.head_dim
+        self._row_elems = row_elems
+        self._keys3 = self.keys.reshape(full, slots, padded(capacity_rows) * row_elems)
+        self._values3 = self.values.reshape(full, slots, padded(capacity_rows) * row_elems)
 
-    def take(self) -> int:
-        """A free slot with zero recurrent matrices and conv tails. Raises RuntimeError when full."""
+    def take(self, zero: bool = True) -> int:
+        """A free slot, with zero recurrent matrices and conv tails unless `zero` is False (a
+        restore overwrites them). Raises RuntimeError when full."""
         if not self._free:
             raise RuntimeError("the state pool is full: release a state first")
         slot = self._free.pop()
-        for i in range(self.recurrent.shape[0]):
-            for array in (self.recurrent[i, slot], self.conv[i, slot]):
-                flat = array.reshape(array.size).view(np.uint16)
-                _zero_kernel[blocks(flat.shape[0]), THREADS](flat)
+        if zero:
+            for array in (self._recurrent3[:, slot], self._conv3[:, slot]):
+                if array.size:
+                    _zero_rows_kernel[_grid(array), THREADS](array)
         return slot
 
     def give(self, slot: int) -> None:
         self._free.append(slot)
 
     def _parts(self, slot: int, rows: int):
-        """(device view, byte count) of each packed part, in payload order."""
-        for i in range(self.recurrent.shape[0]):
-            yield self.recurrent[i, slot]
-            yield self.conv[i, slot]
-        for j in range(self.keys.shape[0]):
-            yield self.keys[j, slot, :rows]
-            yield self.values[j, slot, :rows]
+        """(pool view [n, m], dtype) of each packed part, in payload order."""
+        n = rows * self._row_elems
+        yield self._recurrent3[:, slot], np.float32
+        yield self._conv3[:, slot], np.uint16
+        yield self._keys3[:, slot, :n], np.uint16
+        yield self._values3[:, slot, :n], np.uint16
 
-    def pack(self, slot: int, rows: int):
-        """A new device byte buffer holding the state of `slot` at `rows` rows."""
-        data = empty((self.config.state_bytes(rows),), np.uint8)
+    def _payload_views(self, data, slot: int, rows: int):
+        """(pool view, payload view) pairs of the same shape, in payload order. Raises
+        ValueError when `data` does not hold config.state_bytes(rows) bytes."""
+        if data.shape[0] != self.config.state_bytes(rows):
+            raise ValueError(f"a payload of {data.shape[0]} bytes for a state of {self.config.state_bytes(rows)} bytes")
         offset = 0
-        for part in self._parts(slot, rows):
-            n = part.size * part.dtype.itemsize
+        for part, dtype in self._parts(slot, rows):
+            n = part.shape[0] * part.shape[1] * np.dtype(dtype).itemsize
             if n:
-                data[offset : offset + n].view(part.dtype).reshape(part.shape).copy_to_device(part)
+                yield part, data[offset : offset + n].view(dtype).reshape(part.shape)
             offset += n
         assert offset == data.shape[0], (offset, data.shape[0])
+
+    def pack(self, slot: int, rows: int):
+        """A new device byte buffer holding the state of `slot` at `rows` rows (4 launches)."""
+        data = empty((self.config.state_bytes(rows),), np.uint8)
+        for part, view in self._payload_views(data, slot, rows):
+            copy_rows(part, view)
         return data
 
     def unpack(self, data, slot: int, rows: int) -> None:
-        """Write a packed state into `slot`."""
-        offset = 0
-        for part in self._parts(slot, rows):
-            n = part.size * part.dtype.itemsize
-            if n:
-                part.copy_to_device(data[offset : offset + n].view(part.dtype).reshape(part.shape))
-            offset += n
-        assert offset == data.shape[0], (offset, data.shape[0])
+        """Write a packed state into `slot` (4 launches)."""
+        for part, view in self._payload_views(data, slot, rows):
+            copy_rows(view, part)

@@ -1,0 +1,83 @@
+"""Kernel cases of the state pool (executor/numba_cuda/state.py): a payload holds exactly a
+slot's state in the documented order, packs and unpacks in a few strided-copy launches, and
+`take` zeroes a slot unless told a restore will overwrite it. Run under the CUDA simulator or
+on a GPU; payload buffers poisoned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from executor.numba_cuda.device import poisoned, to_device
+from executor.numba_cuda.state import StatePool, copy_rows
+from tests.executor.numba_cuda.kernel_support import rng
+from tests.executor.qwen_support import small_config
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One pool for the module (building one zeroes its K/V: slow under the simulator)."""
+    return StatePool(small_config(), 3, 40)
+
+
+def _fill(pool, seed=0):
+    """Random contents in every slot; returns the host copies."""
+    r = np.random.default_rng(seed)
+    hosts = {}
+    for name in ("recurrent", "conv", "keys", "values"):
+        array = getattr(pool, name)
+        if array.dtype == np.float32:
+            host = r.standard_normal(array.shape).astype(np.float32)
+        else:
+            host = r.integers(0, 0x7F00, array.shape).astype(np.uint16)
+        array.copy_to_device(host)
+        hosts[name] = host
+    return hosts
+
+
+@pytest.mark.parametrize("rows", [0, 37])
+def test_pack_holds_the_slot_in_payload_order_and_unpack_restores_it(pool, rows):
+    config = pool.config
+    h = _fill(pool, seed=rows)
+    with poisoned():
+        data = pool.pack(2, rows)
+    payload = data.copy_to_host()
+    assert payload.shape[0] == config.state_bytes(rows)
+    expected = b"".join([
+        h["recurrent"][:, 2].tobytes(), h["conv"][:, 2].tobytes(),
+        h["keys"][:, 2, :rows].tobytes(), h["values"][:, 2, :rows].tobytes(),
+    ])
+    assert payload.tobytes() == expected
+    pool.unpack(data, 0, rows)
+    for name in ("recurrent", "conv"):
+        got = getattr(pool, name).copy_to_host()
+        np.testing.assert_array_equal(got[:, 0], h[name][:, 2])
+        np.testing.assert_array_equal(got[:, 1], h[name][:, 1])  # other slots untouched
+    for name in ("keys", "values"):
+        got = getattr(pool, name).copy_to_host()
+        np.testing.assert_array_equal(got[:, 0, :rows], h[name][:, 2, :rows])
+        np.testing.assert_array_equal(got[:, 0, rows:], h[name][:, 0, rows:])  # rows past the payload untouched
+    with pytest.raises(ValueError, match="payload"):
+        pool.unpack(data, 0, rows + 1)
+
+
+def test_take_zeroes_a_slot_unless_a_restore_overwrites_it(pool):
+    h = _fill(pool)
+    pool._free = [2, 1, 0]
+    first = pool.take()
+    assert not pool.recurrent.copy_to_host()[:, first].any() and not pool.conv.copy_to_host()[:, first].any()
+    np.testing.assert_array_equal(pool.recurrent.copy_to_host()[:, 1], h["recurrent"][:, 1])
+    second = pool.take(zero=False)
+    np.testing.assert_array_equal(pool.recurrent.copy_to_host()[:, second], h["recurrent"][:, second])
+
+
+def test_copy_rows_copies_strided_views_and_checks_shapes():
+    r = rng()
+    src = r.standard_normal((5, 3, 700)).astype(np.float32)
+    dst = np.zeros((5, 700), np.float32)
+    d_src, d_dst = to_device(src), to_device(dst)
+    copy_rows(d_src[:, 1], d_dst)
+    np.testing.assert_array_equal(d_dst.copy_to_host(), src[:, 1])
+    with pytest.raises(ValueError, match="copy of"):
+        copy_rows(d_src[:, 1, :600], d_dst)
