@@ -45,7 +45,9 @@ def renderer():
 
 
 def _events(server) -> list[dict]:
-    return [json.loads(line) for line in server.trace.read_text().splitlines() if line.strip()]
+    # only whole lines: the server may be writing the last one (a partial line failed CI once)
+    whole = server.trace.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in whole if line.strip()]
 
 
 def _turn(server, messages, max_tokens=6, **kw):
