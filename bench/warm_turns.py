@@ -106,8 +106,9 @@ class Server:
     """A server to drive: one started here (`start`, with a trace), or a running one's URL."""
 
     def __init__(self, url: str, cache_on: bool, proc: subprocess.Popen | None = None, trace: Path | None = None,
-                 command: list[str] | None = None) -> None:
+                 command: list[str] | None = None, start_grid: int = 1) -> None:
         self.url, self.cache_on, self.proc, self.trace, self.command = url, cache_on, proc, trace, command
+        self.start_grid = start_grid
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
             self.model = json.loads(resp.read())["data"][0]["id"]
 
@@ -123,7 +124,7 @@ class Server:
         except RuntimeError as exc:
             raise BenchError(f"server {name}: {exc}") from None
         try:
-            return cls(url, cache_on, proc, trace, command)
+            return cls(url, cache_on, proc, trace, command, ready_start_grid(log))
         except OSError:
             stop_server(proc)
             raise
@@ -150,6 +151,18 @@ class Server:
                 return True
             time.sleep(0.01)
         return False
+
+
+def ready_start_grid(log: Path) -> int:
+    """The `start_grid` of a started server's `ready` log line: the row grid its request
+    starts cut and keep on (its backend's invariant grid with snap_starts on, else 1)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if '"ready"' in line:
+            try:
+                return int(json.loads(line).get("start_grid") or 1)
+            except (ValueError, TypeError):
+                break
+    return 1
 
 
 # --- one turn -------------------------------------------------------------------------------------
@@ -281,7 +294,7 @@ def run_case(server: Server, renderer: ChatRenderer, case: str, salt: str, s: Se
         history += [reply_message(turns[-1]), {"role": "user", "content": f"Turn {k + 1}: go on, briefly."}]
         turns.append(run_turn(server, renderer, history, s))
     return {"case": case, "server": "A" if server.cache_on else "B", "url": server.url, "salt": salt,
-            "first": history[:2], "calibration_attempts": attempts, "turns": turns}
+            "start_grid": server.start_grid, "first": history[:2], "calibration_attempts": attempts, "turns": turns}
 
 
 def add_trace_times(run: dict[str, Any], trace: Path | None) -> None:
@@ -313,9 +326,11 @@ def ttft_ratio(on: list[dict], off: list[dict], k: int = 1) -> float | None:
 
 def expected_row(run: dict[str, Any], k: int, s: Settings) -> int:
     """The least cached_tokens of turn k+1 (k >= 1) on a cache-on server: the previous
-    turn's continuation rows (the message start its warm pass kept); on-grid turn 2 also
-    the grid row."""
-    row = run["turns"][k - 1]["continuation_rows"]
+    turn's continuation rows (the message start its warm pass kept), or with the server's
+    starts snapped to a grid g (`start_grid`, policy snap_starts) the multiple of g at or
+    below them; on-grid turn 2 also the grid row."""
+    g = int(run.get("start_grid") or 1)
+    row = run["turns"][k - 1]["continuation_rows"] // g * g
     return max(row, s.grid_rows) if run["case"] == "on-grid" and k == 1 else row
 
 
@@ -457,7 +472,8 @@ def run_all(args: argparse.Namespace, s: Settings, renderer: ChatRenderer, workd
         base = args.salt or f"t{time.time_ns()}"
         for r in range(args.repeat):
             firsts: dict[str, list[dict]] = {}
-            for server in [Server(args.url, True)] + ([Server(args.url_off, False)] if args.url_off else []):
+            servers = [Server(args.url, True, start_grid=args.start_grid)]
+            for server in servers + ([Server(args.url_off, False)] if args.url_off else []):
                 one_server(server, f"{base}.{r}", firsts)
             save()
         return
@@ -487,6 +503,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "as cache-on (A) and, plus --prompt-cache-gib 0, as cache-off (B): A B B A ...")
     where.add_argument("--url", help="drive this running cache-on server instead")
     ap.add_argument("--url-off", help="with --url: a running server with --prompt-cache-gib 0 to compare against")
+    ap.add_argument("--start-grid", type=int, default=1, metavar="ROWS",
+                    help="with --url: the row grid the server's request starts snap to (its ready log's "
+                    "start_grid: 64 for a numba-cuda server with snap_starts on; default: 1, exact starts)")
     ap.add_argument("--repeat", type=int, default=1, metavar="N", help="runs of A and of B each (default: 1)")
     ap.add_argument("--grid-rows", type=int, default=d.grid_rows, metavar="ROWS",
                     help=f"the servers' grid_rows; on-grid lands on this row (default: {d.grid_rows})")

@@ -43,6 +43,7 @@ from executor.runtime import Runtime
 from executor.server import Api, ApiConfig, build_app
 from executor.tokenizer import default_tokenizer, load_tokenizer
 from policy.config import GIB, PolicyConfig, format_policy, parse_policy, policy_to_dict
+from policy.usable import snapping
 
 log = structlog.get_logger(__name__)
 
@@ -284,10 +285,12 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
         await site.start()
         port = runner.addresses[0][1]
         url = f"http://{cfg.host}:{port}"
+        facts = runtime.facts
+        log.info("ready", url=url, model=model_name, backend=backend_name, context_rows=context_rows,
+                 policy=format_policy(cfg.policy).strip().replace("\n", "; "), invariant_rows=facts.invariant_rows,
+                 start_grid=facts.invariant_rows if snapping(cfg.policy, facts) else 1)
         print(f"serving {model_id} on the {backend_name} backend at {url}/v1", file=out, flush=True)
         print(f"ready {url}", file=out, flush=True)
-        log.info("ready", url=url, model=model_name, backend=backend_name, context_rows=context_rows,
-                 policy=format_policy(cfg.policy).strip().replace("\n", "; "))
         await stop.wait()
         log.info("stopping")
     finally:

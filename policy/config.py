@@ -47,6 +47,12 @@ class PolicyConfig:
     Fields, with units:
       grid_rows: rows between marks; a mark is a row P > 0 with P % grid_rows == 0.
       request_starts: cut (and keep) at chat-message starts (rules 1-3).
+      snap_starts: with a backend invariant grid g (`BackendFacts.invariant_rows`), a
+        request start s cuts and keeps at floor(s / g) * g instead of at s (dropped when
+        that is 0): on-grid cuts change no bit, so no plan carries an off-grid cut, and a
+        turn whose new rows fit one chunk runs as one chunk (a start cut just before the
+        generation prompt cost the continuation a second, host-bound chunk). A resume then
+        recomputes at most g - 1 rows of the shared prefix. No effect without a grid.
       max_chunk_rows: longest prefill chunk, rows; longer spans are split at absolute
         multiples of it (rule 1).
       tail_rows: rows of the last layer's tail (rule 8).
@@ -64,6 +70,7 @@ class PolicyConfig:
 
     grid_rows: int = attrs.field(default=4096, validator=_positive)
     request_starts: bool = attrs.field(default=True, validator=_boolean)
+    snap_starts: bool = attrs.field(default=True, validator=_boolean)
     max_chunk_rows: int = attrs.field(default=4096, validator=_positive)
     tail_rows: int = attrs.field(default=128, validator=_positive)
     warm_enabled: bool = attrs.field(default=True, validator=_boolean)

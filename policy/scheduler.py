@@ -22,7 +22,7 @@ from policy.shape import ModelShape
 from policy.store import Entry, KeepResult, Store
 from policy.work import ChunkRun, Evicted, Finished, Kept, Released, Request, Step
 from policy.tail import TailFacts, tail_from
-from policy.usable import BackendFacts, Fingerprint, cut_fingerprint
+from policy.usable import BackendFacts, Fingerprint, cut_fingerprint, snap_starts
 from policy.warm import WarmVerdict, can_adopt, decide_warm, finish_reason, is_quiet, warm_start_s
 
 
@@ -267,7 +267,7 @@ class Scheduler:
 
     def _admit(self, req: Request, arrived: float, now: float) -> list[object]:
         rows = len(req.prompt)
-        starts = tuple(sorted(set(req.starts)))
+        starts = snap_starts(req.starts, self.cfg, self.facts)
         effects: list[object] = []
         entry = self.store.lookup(req.prompt, starts, now)
         resume = entry.row if entry is not None else 0
@@ -469,7 +469,7 @@ class Scheduler:
             if old is not None:
                 effects.extend(self._cancel_warm(old, now, "superseded"))
             self._warm[req.conversation] = _Warm(req.id, req.conversation, req.continuation,
-                                                 tuple(sorted(set(req.continuation_starts))), now)
+                                                 snap_starts(req.continuation_starts, self.cfg, self.facts), now)
             self._emit(ev.WarmScheduled(t=now, conversation=req.conversation, after=req.id,
                                         rows=len(req.continuation)))
         if not self._foreground_work() and self._inflight is None:

@@ -36,6 +36,22 @@ class BackendFacts:
 Fingerprint = tuple[int, ...]
 
 
+def snapping(cfg: PolicyConfig, facts: BackendFacts) -> bool:
+    """True when request starts snap to the backend's invariant grid (`PolicyConfig.snap_starts`)."""
+    return cfg.request_starts and cfg.snap_starts and facts.invariant_rows is not None
+
+
+def snap_starts(starts: Iterable[int], cfg: PolicyConfig, facts: BackendFacts) -> tuple[int, ...]:
+    """The request starts the policy cuts and keeps at: sorted and de-duplicated; when
+    `snapping`, each start s becomes floor(s / g) * g for the invariant grid g, and those
+    that become 0 are dropped. Rows in rows; raises nothing (bounds are `check_starts`')."""
+    rows = set(starts)
+    if snapping(cfg, facts):
+        g = facts.invariant_rows
+        rows = {s // g * g for s in rows} - {0}
+    return tuple(sorted(rows))
+
+
 def cut_fingerprint(cuts: Iterable[int], row: int, facts: BackendFacts) -> Fingerprint:
     """The cuts below `row` that decide the bits of a state at `row`.
 
@@ -112,13 +128,15 @@ def warm_end_row(
     """Rule 2's warm-end rule: the row a warm pass over [0, E) keeps at its end, or None.
 
     E = end_row is where the next turn's new message begins. (a) E is a cut of the next
-    request's fresh plan (a mark, or a request start with request_starts on): keep E.
-    (b) Otherwise, with an invariant grid g: keep floor(E / g) * g when > 0. Else None:
-    nothing at the end is usable, which is what the earlier engine always had under 4096.
+    request's fresh plan (a mark, or a request start with request_starts on and starts not
+    snapped to the grid, `snapping`): keep E. (b) Otherwise, with an invariant grid g: keep
+    floor(E / g) * g when > 0. Else None: nothing at the end is usable, which is what the
+    earlier engine always had under 4096.
     """
     if end_row <= 0:
         return None
-    if end_row % cfg.grid_rows == 0 or (cfg.request_starts and end_row in set(next_starts)):
+    start_cut = cfg.request_starts and not snapping(cfg, facts) and end_row in set(next_starts)
+    if end_row % cfg.grid_rows == 0 or start_cut:
         return end_row
     g = facts.invariant_rows
     if g is not None and end_row // g * g > 0:

@@ -14,7 +14,7 @@ from policy.plan import check_starts, plan_chunks
 from policy.scheduler import Scheduler
 from policy.work import Evicted, Kept, Request, Step
 from policy.keep import PassKind, keep_rows
-from policy.usable import BackendFacts, KeptRow, is_usable, resume_row
+from policy.usable import BackendFacts, KeptRow, is_usable, resume_row, snap_starts
 
 
 class InvariantBroken(AssertionError):
@@ -78,7 +78,7 @@ class Checker:
             if e.cached_tokens > e.rows:
                 self.fail("cached_tokens<=rows", f"cached_tokens {e.cached_tokens} > rows {e.rows}", e.request)
             if req is not None and e.cached_tokens > 0:
-                starts = check_starts(len(req.prompt), req.starts)
+                starts = snap_starts(check_starts(len(req.prompt), req.starts), self.cfg, self.facts)
                 usable = is_usable(e.cached_tokens, len(req.prompt), starts, self.cfg, self.facts,
                                    has_logits=e.cached_tokens == len(req.prompt))
                 if not usable:
@@ -90,7 +90,7 @@ class Checker:
             r = self._stream_req.get(e.stream)
             if r is not None and r.req is not None and r.cached is not None and r.finished is None:
                 req = r.req
-                rows = {k.row for k in keep_rows(PassKind.COLD, len(req.prompt), req.starts, r.cached,
+                rows = {k.row for k in keep_rows(PassKind.COLD, len(req.prompt), snap_starts(req.starts, self.cfg, self.facts), r.cached,
                                                  self.cfg, self.facts)}
                 if e.row not in rows:
                     self.fail("rule 3 (keep)", f"kept row {e.row}; the pass keeps only {sorted(rows)[:8]}",
@@ -175,7 +175,7 @@ class Checker:
         L = len(req.prompt)
         kept = [KeptRow(x.row, x.fingerprint, x.has_logits) for x in store.entries()
                 if x.live and x.row <= L and x.digest == req.prompt.digest(x.row)]
-        best = resume_row(L, req.starts, self.cfg, self.facts, kept)
+        best = resume_row(L, snap_starts(req.starts, self.cfg, self.facts), self.cfg, self.facts, kept)
         if e.source == "warm" and e.cached_tokens >= best:
             return
         if e.cached_tokens != best:
@@ -184,7 +184,8 @@ class Checker:
     def _check_plan(self, r: _Req) -> None:
         req = r.req
         assert req is not None and r.cached is not None
-        want = [(c.start, c.end) for c in plan_chunks(len(req.prompt), req.starts, r.cached, self.cfg)]
+        starts = snap_starts(req.starts, self.cfg, self.facts)
+        want = [(c.start, c.end) for c in plan_chunks(len(req.prompt), starts, r.cached, self.cfg)]
         if r.chunks != want:
             self.fail("rule 1 (plan consistency)",
                       f"ran chunks {r.chunks[:8]} but the fresh plan from row {r.cached} is {want[:8]}",

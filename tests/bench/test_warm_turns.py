@@ -97,3 +97,21 @@ def test_planted_breaks_turn_the_receipt_red(tmp_path):
         "warm_pass_finished": False, "continuation_cached": False, "reference_never_cached": True,
         "hashes_equal_cache_off": False}
     assert "qualified: false" in proc.stdout and "FAIL  hashes_equal_cache_off" in proc.stdout
+
+
+def test_expected_row_follows_the_server_s_start_grid(tmp_path):
+    wt = _module()
+    s = wt.Settings()
+    run = {"case": "off-grid", "start_grid": 64, "turns": [{"continuation_rows": 2014}, {}, {}]}
+    assert wt.expected_row(run, 1, s) == 1984  # snapped: 31 * 64
+    assert wt.expected_row(run | {"start_grid": 1}, 1, s) == 2014
+    assert wt.expected_row({k: v for k, v in run.items() if k != "start_grid"}, 1, s) == 2014
+    on = {"case": "on-grid", "start_grid": 64, "turns": [{"continuation_rows": 4096}, {}]}
+    assert wt.expected_row(on, 1, s) == 4096
+    log = tmp_path / "server.log"
+    log.write_text('{"event": "loading"}\n{"url": "u", "start_grid": 64, "invariant_rows": 64, "event": "ready"}\n')
+    assert wt.ready_start_grid(log) == 64
+    log.write_text('{"url": "u", "start_grid": 1, "invariant_rows": null, "event": "ready"}\n')
+    assert wt.ready_start_grid(log) == 1
+    log.write_text("no ready line\n")
+    assert wt.ready_start_grid(log) == 1

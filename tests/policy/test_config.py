@@ -29,7 +29,7 @@ def test_defaults_match_design():
 
 def test_fields_in_declaration_order():
     assert policy_fields() == (
-        "grid_rows", "request_starts", "max_chunk_rows", "tail_rows", "warm_enabled",
+        "grid_rows", "request_starts", "snap_starts", "max_chunk_rows", "tail_rows", "warm_enabled",
         "warm_quiet_ms", "prompt_cache_bytes", "lanes", "queue_rows", "idle_half_life_s",
     )
 
@@ -39,6 +39,7 @@ def test_format_policy_text():
     assert text.splitlines() == [
         "grid_rows = 64",
         "request_starts = false",
+        "snap_starts = true",
         "max_chunk_rows = 4096",
         "tail_rows = 128",
         "warm_enabled = true",

@@ -10,6 +10,7 @@ from policy.usable import (
     BackendFacts,
     KeptRow,
     cut_fingerprint,
+    snap_starts,
     is_usable,
     resume_row,
     warm_end_row,
@@ -17,6 +18,7 @@ from policy.usable import (
 
 DEFAULT = PolicyConfig()
 NO_STARTS = PolicyConfig(request_starts=False)
+EXACT_STARTS = PolicyConfig(snap_starts=False)
 NO_GRID = BackendFacts()
 GRID_64 = BackendFacts(invariant_rows=64)
 STARTS = (0, 1000, 5000)  # a 9000-row prompt: fresh cuts 1000, 4096, 5000, 8192
@@ -114,7 +116,8 @@ def test_resume_row_nothing_kept():
         (4096, (0,), DEFAULT, NO_GRID, 4096),
         (8192, (0,), NO_STARTS, NO_GRID, 8192),
         (3000, (0, 3000), DEFAULT, NO_GRID, 3000),
-        (3000, (0, 3000), DEFAULT, GRID_64, 3000),
+        (3000, (0, 3000), DEFAULT, GRID_64, 2944),
+        (3000, (0, 3000), EXACT_STARTS, GRID_64, 3000),
         (3000, (0, 3000), NO_STARTS, NO_GRID, None),
         (3000, (0, 3000), NO_STARTS, GRID_64, 2944),
         (3000, (0,), DEFAULT, NO_GRID, None),
@@ -126,7 +129,7 @@ def test_resume_row_nothing_kept():
         (0, (0,), DEFAULT, GRID_64, None),
     ],
     ids=[
-        "mark", "mark-starts-off", "start", "start-with-grid", "start-but-starts-off",
+        "mark", "mark-starts-off", "start", "start-with-grid-snaps", "start-with-grid-exact", "start-but-starts-off",
         "grid-floor", "not-a-start", "not-a-start-grid", "4097-grid", "63-below-grid",
         "65-grid", "1-row-start", "empty",
     ],
@@ -139,3 +142,19 @@ def test_warm_end_row(end, next_starts, cfg, facts, expected):
 def test_backend_facts_validation_names_the_field(bad):
     with pytest.raises(ValueError, match="invariant_rows"):
         BackendFacts(invariant_rows=bad)
+
+
+@pytest.mark.parametrize(
+    ("starts", "cfg", "facts", "expected"),
+    [
+        ((0, 18, 2014, 2028), DEFAULT, GRID_64, (1984,)),
+        ((0, 4096, 4110), DEFAULT, GRID_64, (4096,)),
+        ((0, 64, 130, 127), DEFAULT, GRID_64, (64, 128)),
+        ((0, 18, 2014, 2028), EXACT_STARTS, GRID_64, (0, 18, 2014, 2028)),
+        ((2028, 18, 0, 18), DEFAULT, NO_GRID, (0, 18, 2028)),
+        ((0, 18, 2014), NO_STARTS, GRID_64, (0, 18, 2014)),
+    ],
+    ids=["snapped-off-grid", "snapped-on-grid", "merged", "exact", "no-grid", "starts-off"],
+)
+def test_snap_starts(starts, cfg, facts, expected):
+    assert snap_starts(starts, cfg, facts) == expected
