@@ -123,6 +123,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          f"(default: {p.prompt_cache_bytes / GIB:g})")
     ap.add_argument("--request-starts", action=argparse.BooleanOptionalAction, default=None,
                     help=f"cut and keep at chat-message starts (default: {p.request_starts})")
+    ap.add_argument("--snap-starts", action=argparse.BooleanOptionalAction, default=None,
+                    help="on a backend with an invariant grid g (numba-cuda: 64), cut and keep at the multiple "
+                         f"of g at or below each request start (default: {p.snap_starts})")
     ap.add_argument("--warm-quiet-ms", type=float, metavar="MS",
                     help=f"quiet before a warm pass starts (default: {p.warm_quiet_ms:g})")
     ap.add_argument("--lanes", type=int, metavar="N", help=f"streams active at once (default: {p.lanes})")
@@ -146,7 +149,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         if not args.prompt_cache_gib >= 0:
             raise ValueError(f"--prompt-cache-gib must be >= 0, got {args.prompt_cache_gib}")
         changes["prompt_cache_bytes"] = round(args.prompt_cache_gib * GIB)
-    for flag, name in (("request_starts", "request_starts"), ("warm_quiet_ms", "warm_quiet_ms"), ("lanes", "lanes")):
+    for flag, name in (("request_starts", "request_starts"), ("snap_starts", "snap_starts"),
+                       ("warm_quiet_ms", "warm_quiet_ms"), ("lanes", "lanes")):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
     if changes:

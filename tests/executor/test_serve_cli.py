@@ -31,6 +31,9 @@ def test_flags_override_the_policy_file(tmp_path):
     assert (p.lanes, p.warm_quiet_ms, p.request_starts, p.prompt_cache_bytes) == (5, 10.0, False, GIB // 2)
     assert (cfg.context_rows, cfg.port) == (128, 0)
     assert config_from_args(parse_args(["--prompt-cache-gib", "0"])).policy.warm_active is False
+    assert config_from_args(parse_args(["--no-snap-starts"])).policy.snap_starts is False
+    path.write_text("snap_starts = false\n")
+    assert config_from_args(parse_args(["--policy", str(path), "--snap-starts"])).policy.snap_starts is True
 
 
 @pytest.mark.parametrize("argv, word", [(["--lanes", "0"], "lanes"), (["--prompt-cache-gib", "-1"], "prompt-cache-gib"),

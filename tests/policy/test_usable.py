@@ -158,3 +158,19 @@ def test_backend_facts_validation_names_the_field(bad):
 )
 def test_snap_starts(starts, cfg, facts, expected):
     assert snap_starts(starts, cfg, facts) == expected
+
+
+def test_a_snapped_continuation_is_one_chunk():
+    """The warm-turns continuation (bench/warm_turns.py, on-grid): resumed at 4096, the new user
+    message starts at 4096 and the generation prompt at 4110. Exact starts cut it in two
+    host-bound chunks; snapped to the 64-row grid it is one, and the cold pass keeps nothing
+    before its end (both snapped starts sit at the resume row)."""
+    from policy.keep import PassKind, keep_rows
+    from policy.plan import Chunk, plan_chunks
+
+    starts = (0, 18, 4096, 4110)
+    exact = plan_chunks(4117, snap_starts(starts, EXACT_STARTS, GRID_64), 4096, EXACT_STARTS)
+    assert exact == (Chunk(4096, 4110), Chunk(4110, 4117, True))
+    snapped = snap_starts(starts, DEFAULT, GRID_64)
+    assert plan_chunks(4117, snapped, 4096, DEFAULT) == (Chunk(4096, 4117, True),)
+    assert [k.row for k in keep_rows(PassKind.COLD, 4117, snapped, 4096, DEFAULT, GRID_64)] == [4117]
