@@ -44,7 +44,8 @@ def snapping(cfg: PolicyConfig, facts: BackendFacts) -> bool:
 def snap_starts(starts: Iterable[int], cfg: PolicyConfig, facts: BackendFacts) -> tuple[int, ...]:
     """The request starts the policy cuts and keeps at: sorted and de-duplicated; when
     `snapping`, each start s becomes floor(s / g) * g for the invariant grid g, and those
-    that become 0 are dropped. Rows in rows; raises nothing (bounds are `check_starts`')."""
+    that become 0 are dropped. Starts and result in rows; raises nothing (bounds are
+    `check_starts`')."""
     rows = set(starts)
     if snapping(cfg, facts):
         g = facts.invariant_rows
