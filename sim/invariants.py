@@ -90,8 +90,9 @@ class Checker:
             r = self._stream_req.get(e.stream)
             if r is not None and r.req is not None and r.cached is not None and r.finished is None:
                 req = r.req
-                rows = {k.row for k in keep_rows(PassKind.COLD, len(req.prompt), snap_starts(req.starts, self.cfg, self.facts), r.cached,
-                                                 self.cfg, self.facts)}
+                starts = snap_starts(req.starts, self.cfg, self.facts)
+                keeps = keep_rows(PassKind.COLD, len(req.prompt), starts, r.cached, self.cfg, self.facts)
+                rows = {k.row for k in keeps}
                 if e.row not in rows:
                     self.fail("rule 3 (keep)", f"kept row {e.row}; the pass keeps only {sorted(rows)[:8]}",
                               req.id)

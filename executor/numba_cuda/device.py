@@ -245,19 +245,11 @@ columns = ColumnSlicer()
 
 def device_pointer(array) -> int:
     """The device address of an array's first element (numba-cuda's `ptr` attribute when it
-    has one: building `__cuda_array_interface__` costs microseconds on every GEMM), kept on
-    the array as `_ws_ptr` after the first call on a GPU."""
-    ptr = getattr(array, "_ws_ptr", None)
-    if ptr is not None:
-        return ptr
+    has one: building `__cuda_array_interface__` costs microseconds on every GEMM)."""
     ptr = getattr(array, "ptr", None)
-    ptr = int(array.__cuda_array_interface__["data"][0]) if ptr is None else int(ptr)
-    if not IS_SIMULATOR:  # kept on the array: a device array's address never changes
-        try:
-            array._ws_ptr = ptr
-        except AttributeError:
-            pass
-    return ptr
+    if ptr is None:
+        return int(array.__cuda_array_interface__["data"][0])
+    return int(ptr)
 
 
 def zeros(shape, dtype, stream=0):

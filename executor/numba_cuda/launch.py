@@ -65,8 +65,6 @@ def numba_launches():
 
 
 def _dim3(dim) -> tuple[int, int, int]:
-    if type(dim) is int:
-        return (dim, 1, 1)
     if isinstance(dim, tuple):
         dims = tuple(int(d) for d in dim) + (1,) * (3 - len(dim))
         if len(dims) != 3:
@@ -90,34 +88,19 @@ def _stream_handle(stream) -> int:
 
 
 def _arg_key(arg):
-    """What decides numba's type of an argument (DeviceNDArray._numba_type_ for arrays).
-    An array's key is kept on the array (`_ws_key`: its dtype, rank and layout never
-    change), so a weight or a buffer used by several launches is keyed once."""
-    key = getattr(arg, "_ws_key", None)
-    if key is not None:
-        return key
+    """What decides numba's type of an argument (DeviceNDArray._numba_type_ for arrays)."""
     if getattr(arg, "__cuda_ndarray__", False):
-        key = _array_key(arg)
-        try:
-            arg._ws_key = key
-        except AttributeError:  # an array type without a __dict__: key it every time
-            pass
-        return key
+        strides = arg.strides
+        flags = arg.flags
+        broadcast = 0 in strides
+        if flags["C_CONTIGUOUS"] and not broadcast:
+            layout = "C"
+        elif flags["F_CONTIGUOUS"] and not broadcast:
+            layout = "F"
+        else:
+            layout = "A"
+        return (arg.dtype, len(strides), layout)
     return type(arg)
-
-
-def _array_key(arg) -> tuple:
-    """(dtype, ndim, layout) of a device array, as numba types it."""
-    strides = arg.strides
-    flags = arg.flags
-    broadcast = 0 in strides
-    if flags["C_CONTIGUOUS"] and not broadcast:
-        layout = "C"
-    elif flags["F_CONTIGUOUS"] and not broadcast:
-        layout = "F"
-    else:
-        layout = "A"
-    return (arg.dtype, len(strides), layout)
 
 
 def _field_bytes(value) -> tuple[int, bytes]:
@@ -176,30 +159,6 @@ class _Driver:
 
             cuda.current_context()  # makes numba's context current on this thread
             self.local.ready = True
-
-    def buffers(self) -> "_Buffers":
-        """This thread's launch buffers (made, and numba's context made current, on first use)."""
-        buffers = getattr(self.local, "buffers", None)
-        if buffers is None:
-            self.ensure_context()
-            buffers = self.local.buffers = _Buffers()
-        return buffers
-
-
-PARAM_BYTES = 4096
-"""Most parameter bytes of one launch (the driver's limit is 4 KiB on every architecture
-numba-cuda targets; a Qwen3.5 kernel here packs under 600)."""
-
-
-class _Buffers:
-    """One thread's parameter buffer, its size and the `extra` array that points at both:
-    cuLaunchKernel copies the parameters before it returns, so every launch of the thread
-    reuses them instead of building three ctypes objects (CUDA driver API, cuLaunchKernel)."""
-
-    def __init__(self) -> None:
-        self.params = ctypes.create_string_buffer(PARAM_BYTES)
-        self.size = ctypes.c_size_t(0)
-        self.extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(self.params), 2, ctypes.addressof(self.size), 0)
 
 
 _driver: _Driver | None = None
@@ -301,9 +260,6 @@ def parameter_layout(argument_types) -> tuple[tuple, str] | str:
 def _pointer(array) -> int:
     """The device address of an array's data, as numba's `_prepare_args` reads it (`ptr` in
     numba-cuda 0.30; the driver's `device_pointer` before)."""
-    ptr = getattr(array, "_ws_ptr", None)
-    if ptr is not None:
-        return ptr
     ptr = getattr(array, "ptr", None)
     if ptr is None:
         from numba.cuda.cudadrv.driver import device_pointer
@@ -312,27 +268,14 @@ def _pointer(array) -> int:
     return int(ptr)
 
 
-def _array_fields(arg, pointer) -> tuple:
-    """An array's flattened fields (meminfo, parent, nitems, itemsize, data, shape, strides),
-    kept on the array (`_ws_fields`) when it is packed with the default `pointer`: none of
-    them can change for a device array."""
-    fields = getattr(arg, "_ws_fields", None) if pointer is _pointer else None
-    if fields is None:
-        fields = (0, 0, arg.size, arg.dtype.itemsize, pointer(arg), *arg.shape, *arg.strides)
-        if pointer is _pointer:
-            try:
-                arg._ws_fields = fields
-            except AttributeError:
-                pass
-    return fields
-
-
 def _pack(signature: _Signature, args, pointer=_pointer) -> bytes:
     """The parameter buffer of one launch: `signature.format` over the flattened fields."""
     values = []
     for kind, arg in zip(signature.kinds, args):
         if kind is _ARRAY:
-            values += _array_fields(arg, pointer)
+            values += (0, 0, arg.size, arg.dtype.itemsize, pointer(arg))
+            values += arg.shape
+            values += arg.strides
         elif kind == "bool":
             values.append(int(bool(arg)))
         else:
@@ -361,16 +304,13 @@ class _Configured:
             kernel._numba_launch(config, args)
             return
         driver = _driver or _get_driver()
-        buffers = driver.buffers()
-        packed = _pack(signature, args)
-        if len(packed) > PARAM_BYTES:
-            raise RuntimeError(f"{kernel.name}: {len(packed)} bytes of parameters exceed {PARAM_BYTES}")
-        ctypes.memmove(buffers.params, packed, len(packed))
-        buffers.size.value = len(packed)
+        driver.ensure_context()
+        params = ctypes.create_string_buffer(_pack(signature, args), signature.size.value)
+        extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(params), 2, ctypes.addressof(signature.size), 0)
         grid, block = _dim3(config[0]), _dim3(config[1])
         stream = _stream_handle(config[2]) if len(config) > 2 else 0
         shared = int(config[3]) if len(config) > 3 else 0
-        result = driver.launch(signature.function, *grid, *block, shared, stream, None, buffers.extra)
+        result = driver.launch(signature.function, *grid, *block, shared, stream, None, extra)
         if result:
             raise RuntimeError(f"cuLaunchKernel of {kernel.name} failed with CUresult {result}")
         kernel.fast_launches += 1

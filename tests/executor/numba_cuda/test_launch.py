@@ -166,32 +166,3 @@ def test_numba_fields_may_be_numpy_scalars_or_binding_pointers():
     assert launch._numba_bytes([True, 0, -2]) == b"\x01" + b"\0" * 7 + bytes(8) + (-2).to_bytes(8, "little", signed=True)
     with pytest.raises(TypeError, match="str"):
         launch._numba_bytes(["x"])
-
-
-def test_array_keys_and_fields_are_computed_once_per_array():
-    array = FakeArray((3, 5), (20, 4), np.float32, 0x1000)
-    array.ptr = 0x1000
-    key = launch._arg_key(array)
-    assert key == (np.dtype(np.float32), 2, "C") and array._ws_key == key
-    array.flags = {"C_CONTIGUOUS": False, "F_CONTIGUOUS": False}  # a device array never changes: the key stays
-    assert launch._arg_key(array) == key
-    fields = launch._array_fields(array, launch._pointer)
-    assert fields == (0, 0, 15, 4, 0x1000, 3, 5, 20, 4) and array._ws_fields == fields
-    array.ptr = 0x2000
-    assert launch._array_fields(array, launch._pointer) == fields
-    other = FakeArray((2,), (8,), np.float64, 0x3000)  # an explicit pointer reader is never cached
-    assert launch._array_fields(other, lambda a: a.pointer) == (0, 0, 2, 8, 0x3000, 2, 8)
-    assert not hasattr(other, "_ws_fields")
-    assert launch._arg_key(7) is int and launch._arg_key(np.float32(1)) is np.float32
-
-
-def test_launch_buffers_point_at_the_parameters_and_their_size():
-    buffers = launch._Buffers()
-    extra = list(buffers.extra)
-    assert extra[0] == 1 and extra[2] == 2 and extra[4] is None  # BUFFER_POINTER, BUFFER_SIZE, END
-    assert extra[1] == ctypes.addressof(buffers.params) and extra[3] == ctypes.addressof(buffers.size)
-    packed = launch._pack(launch._Signature(0, ("int32", launch._ARRAY), "@iPPqqPqq"),
-                          [np.int32(-2), FakeArray((4,), (4,), np.int32, 0xBEEF)], pointer=lambda a: a.pointer)
-    ctypes.memmove(buffers.params, packed, len(packed))
-    buffers.size.value = len(packed)
-    assert buffers.params.raw[: buffers.size.value] == packed and buffers.size.value == 8 + 56
