@@ -4,8 +4,9 @@ Writes `"source": "measured"` profile JSON: prefill chunk seconds over (chunk ro
 rows before it), decode-round seconds over (lanes, context rows of each lane), and keep
 (snapshot) and restore seconds over a kept state's bytes, all on the wall clock through the
 calls the server's stepper makes (executor/stepper.py): a prefill chunk with its tail
-(policy.tail) and the last row's logits brought to the host, then its first token picked; a
-decode round with every lane's logits on the host and each lane's token picked;
+(policy.tail) and the last row's logits brought to the host, then its first token picked and
+detokenized; a decode round with every lane's logits on the host and each lane's token picked
+and detokenized (executor.stops.TextStream with the real Qwen3.5 vocabulary, as the stepper);
 payloads.snapshot / restore. The device is synchronised before and after each timed call. A
 state at a context comes from a real prefill on the reference backend, and on the GPU from
 random K/V rows and recurrent states (bench/decode_prefill.py's `_fresh_states`: attention and
@@ -43,6 +44,8 @@ from executor.config import FULL
 from executor.model import tiny_model_dir
 from executor.reference.backend import ReferenceBackend
 from executor.sampling import SamplingParams, new_rng, sample
+from executor.stops import TextStream
+from executor.tokenizer import default_tokenizer
 from policy.plan import Chunk
 from policy.tail import TailFacts, tail_from
 from sim.api import git_commit
@@ -184,12 +187,13 @@ def measure(rig: Rig, grid: ProfileGrid, log: Callable[[str], None] = print) -> 
     top = max(grid.contexts) + max(grid.prefill_rows)
     ids = [int(t) for t in np.random.default_rng(grid.seed).integers(0, config.vocab_size, top)]
     release = lambda state: payloads.release(backend, state)
+    tokenizer = default_tokenizer()
 
     def prefill_at(ctx: int, rows: int, repeat: int | None = None) -> float:
         kwargs = prefill_kwargs(backend, ctx, ctx + rows, grid.tail_rows)
 
         def run(state):
-            sample(backend.prefill(state, ids, (ctx, ctx + rows), **kwargs), greedy, rng)
+            TextStream(tokenizer).push(sample(backend.prefill(state, ids, (ctx, ctx + rows), **kwargs), greedy, rng))
             return state
 
         return _repeat(rig, grid, lambda: rig.states_at(ctx, 1)[0], run, release, repeat)
@@ -208,12 +212,15 @@ def measure(rig: Rig, grid: ProfileGrid, log: Callable[[str], None] = print) -> 
             states = rig.states_at(ctx, lanes)
             tokens = [int(t) for t in np.random.default_rng(grid.seed + lanes).integers(0, config.vocab_size, lanes)]
             rig.decode(states, tokens)  # untimed: the first round at a lane count captures its graph
+            streams = [TextStream(tokenizer) for _ in range(lanes)]
             times = []
             for _ in range(grid.decode_rounds):
                 rig.sync()
                 t0 = rig.clock()
                 logits = rig.decode(states, tokens)
                 tokens = [sample(logits[i], greedy, rng) for i in range(lanes)]
+                for stream, token in zip(streams, tokens):
+                    stream.push(token)
                 rig.sync()
                 times.append(rig.clock() - t0)
             for state in states:

@@ -219,3 +219,29 @@ def parse_reply(
     parser = ReplyParser(thinking, tools, id_prefix)
     parser.feed(text)
     return parser.finish()[1]
+
+
+@attrs.frozen(kw_only=True)
+class ChatContinuation:
+    """The prompt prefix a chat request's next turn will send, given the reply's text:
+    `Job.continuation` of a chat request, called once its reply ends.
+
+    messages / tools / enable_thinking / parse_tools: the request's (as `ChatCall` holds
+    them). renderer: the `executor.chat.ChatRenderer` that renders it; None while the value
+    crosses to the engine process (`executor.engine`), which binds its own renderer (same
+    tokenizer and template) with `attrs.evolve`. Calling it unbound raises RuntimeError.
+    """
+
+    messages: tuple[Mapping[str, Any], ...]
+    tools: tuple[Mapping[str, Any], ...] | None
+    enable_thinking: bool
+    parse_tools: bool
+    renderer: Any = attrs.field(default=None, eq=False, repr=False)
+
+    def __call__(self, text: str) -> Any:
+        """The rendered continuation (`executor.chat.Rendered`) after a reply of `text`."""
+        if self.renderer is None:
+            raise RuntimeError("ChatContinuation has no renderer bound")
+        tools = list(self.tools) if self.tools else None
+        reply = parse_reply(text, self.enable_thinking, tools if self.parse_tools else None)
+        return self.renderer.render_continuation(list(self.messages), reply.message(), tools)

@@ -72,9 +72,23 @@ class Rejected(Exception):
         self.reason = reason
 
 
+class Sink:
+    """A `Handle.queue` stand-in that hands each event to a callback at once (no asyncio
+    queue, no task reading it): `Runtime.submit(job, sink=...)`."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Callable[[Tokens | Done], None]) -> None:
+        self._call = call
+
+    def put_nowait(self, event: Tokens | Done) -> None:
+        self._call(event)
+
+
 @attrs.define(eq=False)
 class Handle:
-    """A submitted request: its id, conversation, and the queue of `Tokens` / `Done` events."""
+    """A submitted request: its id, conversation, and the queue of `Tokens` / `Done` events
+    (a `Sink` when the request was submitted with one; `events` then has nothing to read)."""
 
     id: str
     conversation: str
@@ -131,6 +145,10 @@ class Runtime:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.broken: str | None = None
+        self.after_commit: Callable[[], None] | None = None
+        """Called in the loop thread after each step's commit has delivered its events and
+        before the next step starts (the engine process sends the step's tokens here, so
+        that no event work runs while the next step's host work holds the GIL)."""
 
     # --- public, loop thread only -------------------------------------------------------
     def now(self) -> float:
@@ -157,8 +175,10 @@ class Runtime:
         self._releases.clear()
         self._pool.shutdown(wait=True)
 
-    def submit(self, job: Job) -> Handle:
-        """Queue `job`; returns its Handle. Raises Rejected with the scheduler's reason."""
+    def submit(self, job: Job, sink: Callable[[Tokens | Done], None] | None = None) -> Handle:
+        """Queue `job`; returns its Handle. Raises Rejected with the scheduler's reason.
+        sink: called with each event instead of queueing it on the Handle (from the loop
+        thread, during the step's commit or a cancel)."""
         if self._closing or self.broken:
             raise Rejected("shutting_down" if self._closing else "runtime_failed")
         prompt = Prompt.from_tokens(job.prompt_ids)
@@ -166,6 +186,8 @@ class Runtime:
         self._next_id += 1
         rid = f"req-{self._next_id}"
         handle = Handle(rid, conversation, len(job.prompt_ids))
+        if sink is not None:
+            handle.queue = Sink(sink)
         live = Live(handle, job, new_rng(job.seed), TextStream(self.tokenizer, job.stop))
         self._lives[rid] = live
         request = Request(id=rid, conversation=conversation, prompt=prompt, starts=job.starts,
@@ -178,11 +200,34 @@ class Runtime:
         self._wake.set()
         return handle
 
+    async def enqueue(self, job: Job) -> Handle:
+        """`submit`, awaitable: the interface `executor.server.Api` uses, which
+        `executor.engine.EngineClient` also offers for a runtime in another process."""
+        return self.submit(job)
+
     def cancel(self, handle: Handle) -> None:
         """The client went away: free its lane within one chunk (kept states stay)."""
         if handle.id in self._lives:
             self._apply(self.scheduler.cancel(handle.id, self.now()))
             self._wake.set()
+
+    @property
+    def vocab_size(self) -> int:
+        """The served model's vocabulary size (token ids are in [0, vocab_size))."""
+        return int(self.backend.config.vocab_size)
+
+    def count_invalid(self) -> None:
+        """Count a request the API layer refused before it reached the scheduler (a 4xx)."""
+        self.metrics.requests.labels("invalid").inc()
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text of this runtime's metrics, gauges read now."""
+        self._gauges()
+        return self.metrics.render()
+
+    async def render_metrics(self) -> bytes:
+        """`metrics_text`, awaitable (the interface `executor.server.Api` uses)."""
+        return self.metrics_text()
 
     @property
     def lanes_busy(self) -> int:
@@ -282,6 +327,8 @@ class Runtime:
         for live in failed:
             self._deliver_done(live, "error", 0, f"backend error: {out.error!r}")
         self._apply(effects, out.snapshot)
+        if self.after_commit is not None:
+            self.after_commit()
 
     def _attach_continuation(self, live: Live) -> None:
         """Give the scheduler the reply's continuation before it finishes the request.

@@ -3,14 +3,16 @@
     python -m executor.serve [--model DIR | --random-weights PRESET [--seed N]]
         [--backend auto|cuda|reference] [--host H] [--port P] [--prompt-cache-gib G]
         [--request-starts | --no-request-starts] [--warm-quiet-ms MS] [--lanes N]
-        [--context ROWS] [--trace FILE] [--policy FILE.toml]
+        [--context ROWS] [--engine-process | --no-engine-process] [--trace FILE]
+        [--policy FILE.toml]
 
 With no --model it serves the built-in tiny random Qwen3.5 (real tokenizer).
 --random-weights serves seeded random weights made on the GPU at a published size's shape
 (executor/presets.py) with the real Qwen3.5 tokenizer and chat template: benchmarks at
 real shapes without a checkpoint (cuda backend only). Policy
 defaults come from `PolicyConfig` (a --policy file, then these flags, override them).
-Prints the URL and a `ready URL` line on stdout (`--port 0` picks a free port); logs go
+The scheduler and the backend run in a process of their own (executor/engine.py) unless
+--no-engine-process. Prints the URL and a `ready URL` line on stdout (`--port 0` picks a free port); logs go
 to stderr through structlog (JSON unless stderr is a terminal); SIGINT/SIGTERM stop it.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -36,6 +39,7 @@ from aiohttp import web
 from executor.backend import Backend
 from executor.chat import ChatRenderer, builtin_template, load_template
 from executor.config import Qwen35Config, load_config
+from executor.engine import EngineClient, EngineFailed, EngineInfo, serve_engine
 from executor.model import tiny_model_dir
 from executor.presets import PRESET_NAMES, preset
 from executor.reference.backend import ReferenceBackend
@@ -64,7 +68,9 @@ class ServeConfig:
     capped at gpu_context_rows on the GPU, where every lane's state is allocated at full
     context). decode_graphs: on the GPU, replay each decode round as a CUDA graph (every
     lane count up to the policy's lanes captured before the server is ready; the same
-    bits as eager launches). trace: JSONL trace file, or None.
+    bits as eager launches). trace: JSONL trace file, or None. engine_process: run the
+    scheduler and the backend in a process of their own (`executor.engine`), so HTTP work
+    does not slow the steps down; False keeps them in this process (one GIL for both).
 
     Raises ValueError naming the field: a bad value, --model with --random-weights, an
     unknown or MoE preset, or random weights on the reference backend.
@@ -81,6 +87,7 @@ class ServeConfig:
     decode_graphs: bool = True
     gpu_context_rows: int = 32768
     trace: Path | None = None
+    engine_process: bool = True
     policy: PolicyConfig = attrs.field(factory=PolicyConfig)
 
     def __attrs_post_init__(self) -> None:
@@ -133,6 +140,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="most rows (prompt + output) per request (default: the model's max_position_embeddings)")
     ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=d.decode_graphs,
                     help="GPU: replay decode rounds as CUDA graphs (default: %(default)s)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
+                    help="run the scheduler and the backend in their own process, apart from HTTP "
+                         "(default: %(default)s)")
     ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL")
     ap.add_argument("--policy", type=Path, metavar="FILE.toml", help="PolicyConfig fields (flags override them)")
     return ap.parse_args(argv)
@@ -157,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         policy = policy.with_changes(**changes)
     return ServeConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, backend=args.backend,
                        host=args.host, port=args.port, context_rows=args.context, decode_graphs=args.decode_graphs,
-                       trace=args.trace, policy=policy)
+                       trace=args.trace, engine_process=args.engine_process, policy=policy)
 
 
 def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qwen35Config) -> tuple[Backend, str, int]:
@@ -253,28 +263,98 @@ def configure_logging() -> None:
     )
 
 
+@attrs.frozen
+class _Model:
+    """What `ServeConfig` names: the checkpoint directory (None: random weights), the
+    config, the served model id, its name in logs, and the chat template."""
+
+    model_dir: Path | None
+    config: Qwen35Config
+    model_id: str
+    model_name: str
+    template: str
+
+
+def _model(cfg: ServeConfig) -> _Model:
+    if cfg.random_weights is not None:
+        return _Model(None, preset(cfg.random_weights), random_model_id(cfg.random_weights, cfg.seed),
+                      f"random:{cfg.random_weights}", builtin_template())
+    model_dir = cfg.model or tiny_model_dir()
+    return _Model(model_dir, load_config(model_dir), model_dir.name, str(model_dir), load_template(model_dir))
+
+
+def _tokenizer(model: _Model):
+    return (model.model_dir and load_tokenizer(model.model_dir)) or default_tokenizer()
+
+
+async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None) -> tuple[Runtime, ChatRenderer, str, int]:
+    """Tokenizer, backend (warmed up), runtime: (runtime, renderer, backend name, context rows)."""
+    tokenizer, (backend, backend_name, context_rows) = await asyncio.gather(
+        asyncio.to_thread(_tokenizer, model),
+        asyncio.to_thread(load_backend, cfg.backend, model.model_dir, cfg, model.config),
+    )
+    await asyncio.to_thread(warm_up, backend)
+    gc.collect()
+    gc.freeze()  # start-up objects (weights, kernels, tokenizer) leave the collector's scans
+    return Runtime(backend, tokenizer, cfg.policy, trace=trace), ChatRenderer(tokenizer, model.template), \
+        backend_name, context_rows
+
+
+def run_engine(conn: Any, cfg: ServeConfig) -> None:
+    """The engine process (`executor.engine`): build the backend and the runtime for
+    `cfg`, then serve them over `conn` until the API process closes it. A start-up failure
+    goes back as ("failed", "value" | "runtime", message)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the API process stops the engine
+        signal.signal(sig, signal.SIG_IGN)
+    warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization")
+    configure_logging()
+    asyncio.run(_engine(conn, cfg))
+
+
+async def _engine(conn: Any, cfg: ServeConfig) -> None:
+    trace = None
+    try:
+        model = _model(cfg)
+        trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
+        runtime, renderer, backend_name, context_rows = await _build(cfg, model, trace)
+    except BaseException as exc:
+        kind = "value" if isinstance(exc, ValueError) else "runtime"
+        conn.send(("failed", kind, str(exc) or repr(exc)))
+        if trace is not None:
+            trace.close()
+        if not isinstance(exc, Exception):
+            raise
+        return
+    info = EngineInfo(backend=backend_name, context_rows=context_rows, vocab_size=runtime.vocab_size,
+                      facts=runtime.facts)
+    try:
+        await serve_engine(conn, runtime, renderer, info)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
 async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
     """Load the model, serve until SIGINT/SIGTERM, stop cleanly."""
-    if cfg.random_weights is not None:
-        model_dir, config = None, preset(cfg.random_weights)
-        model_id, model_name = random_model_id(cfg.random_weights, cfg.seed), f"random:{cfg.random_weights}"
-        template = builtin_template()
+    model = _model(cfg)
+    trace = None
+    runtime: Runtime | EngineClient
+    if cfg.engine_process:
+        tokenizer, runtime = await asyncio.gather(asyncio.to_thread(_tokenizer, model),
+                                                  EngineClient.start(run_engine, (cfg,)))
+        renderer = ChatRenderer(tokenizer, model.template)
+        backend_name, context_rows = runtime.info.backend, runtime.info.context_rows
+        gc.collect()
+        gc.freeze()
     else:
-        model_dir = cfg.model or tiny_model_dir()
-        config = load_config(model_dir)
-        model_id, model_name, template = model_dir.name, str(model_dir), load_template(model_dir)
-    tokenizer, (backend, backend_name, context_rows) = await asyncio.gather(
-        asyncio.to_thread(lambda: (model_dir and load_tokenizer(model_dir)) or default_tokenizer()),
-        asyncio.to_thread(load_backend, cfg.backend, model_dir, cfg, config),
-    )
-    renderer = ChatRenderer(tokenizer, template)
-    await asyncio.to_thread(warm_up, backend)
+        trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
+        runtime, renderer, backend_name, context_rows = await _build(cfg, model, trace)
+        tokenizer = renderer.tokenizer
+    config = model.config
     stop_ids = set(config.eos_token_ids) | {t for name in STOP_TOKENS if (t := tokenizer.token_to_id(name)) is not None}
-    trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
     if cfg.trace:
-        _write_meta(cfg, model_name, backend_name, context_rows)
-    runtime = Runtime(backend, tokenizer, cfg.policy, trace=trace)
-    api = Api(runtime, renderer, ApiConfig(model_id=model_id, context_rows=context_rows,
+        _write_meta(cfg, model.model_name, backend_name, context_rows)
+    api = Api(runtime, renderer, ApiConfig(model_id=model.model_id, context_rows=context_rows,
                                            stop_ids=frozenset(stop_ids)))
     runner = web.AppRunner(build_app(api), handler_cancellation=True, access_log=None)
     stop = asyncio.Event()
@@ -283,17 +363,19 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
         loop.add_signal_handler(sig, stop.set)
     site = None
     try:
-        await runtime.start()
+        if isinstance(runtime, Runtime):
+            await runtime.start()
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
         port = runner.addresses[0][1]
         url = f"http://{cfg.host}:{port}"
         facts = runtime.facts
-        log.info("ready", url=url, model=model_name, backend=backend_name, context_rows=context_rows,
+        log.info("ready", url=url, model=model.model_name, backend=backend_name, context_rows=context_rows,
                  policy=format_policy(cfg.policy).strip().replace("\n", "; "), invariant_rows=facts.invariant_rows,
-                 start_grid=facts.invariant_rows if snapping(cfg.policy, facts) else 1)
-        print(f"serving {model_id} on the {backend_name} backend at {url}/v1", file=out, flush=True)
+                 start_grid=facts.invariant_rows if snapping(cfg.policy, facts) else 1,
+                 engine_process=cfg.engine_process)
+        print(f"serving {model.model_id} on the {backend_name} backend at {url}/v1", file=out, flush=True)
         print(f"ready {url}", file=out, flush=True)
         await stop.wait()
         log.info("stopping")
@@ -320,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging()
     try:
         asyncio.run(serve(cfg))
+    except EngineFailed as exc:  # the engine process could not load the model or the backend
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if exc.kind == "value" else 1
     except (OSError, RuntimeError) as exc:  # e.g. the port is taken, no usable GPU for --backend cuda
         print(f"error: {exc}", file=sys.stderr)
         return 1

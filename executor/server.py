@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (aiohttp) over a `Runtime`.
+"""The OpenAI-compatible HTTP API (aiohttp) over a `Runtime`, in this process or in the
+engine process (`executor.engine.EngineClient`, the same interface).
 
 Routes: POST /v1/chat/completions and /v1/completions (SSE streaming or not), GET
 /v1/models, /health, /metrics. Request bodies are checked in `executor/api_schema.py`;
@@ -22,7 +23,7 @@ from aiohttp import web
 from executor.api_schema import ApiError, ChatCall, Sampling, decode_body, parse_chat, parse_completion
 from executor.chat import IM_START, ChatError, ChatRenderer, Rendered
 from executor.metrics import CONTENT_TYPE
-from executor.replies import ReplyParser, parse_reply
+from executor.replies import ChatContinuation, ReplyParser
 from executor.runtime import Done, Handle, Job, Rejected, Runtime, Tokens
 from executor.sampling import SamplingParams
 
@@ -119,9 +120,9 @@ class Api:
             continuation=continuation,
         )
 
-    def _submit(self, job: Job) -> Handle:
+    async def _submit(self, job: Job) -> Handle:
         try:
-            return self.runtime.submit(job)
+            return await self.runtime.enqueue(job)
         except Rejected as exc:
             if exc.reason == "queue_full":
                 raise ApiError("server overloaded: the request queue is full; retry later", status=503,
@@ -151,15 +152,9 @@ class Api:
             param = head if head.startswith(("messages", "tools")) and " " not in head else "messages"
             raise ApiError(text, param, code="invalid_value") from None
 
-    def _continuation(self, call: ChatCall) -> Callable[[str], Rendered]:
-        tools = list(call.tools) if call.tools else None
-        parse_tools = tools if call.parse_tools else None
-
-        def continuation(text: str) -> Rendered:
-            reply = parse_reply(text, call.enable_thinking, parse_tools)
-            return self.renderer.render_continuation(list(call.messages), reply.message(), tools)
-
-        return continuation
+    def _continuation(self, call: ChatCall) -> ChatContinuation:
+        return ChatContinuation(messages=call.messages, tools=call.tools, enable_thinking=call.enable_thinking,
+                                parse_tools=call.parse_tools, renderer=self.renderer)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
@@ -168,7 +163,7 @@ class Api:
         rendered = await asyncio.to_thread(self._render_chat, call)
         max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling.max_tokens, "messages")
         job = self._job(rendered, call.sampling, max_tokens, self._continuation(call))
-        handle = self._submit(job)
+        handle = await self._submit(job)
         cid = f"chatcmpl-{self._prefix}-{handle.id}"
         tools = list(call.tools) if call.parse_tools and call.tools else None
 
@@ -244,7 +239,7 @@ class Api:
     # --- completions -------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
-        call = parse_completion(await self._body(request), self.runtime.backend.config.vocab_size)
+        call = parse_completion(await self._body(request), self.runtime.vocab_size)
         self._check_model(call.sampling)
         if isinstance(call.prompt, str):
             rendered = await asyncio.to_thread(self.renderer.encode, call.prompt)
@@ -252,7 +247,7 @@ class Api:
             ids = call.prompt
             rendered = Rendered("", ids, tuple(i for i, t in enumerate(ids) if t == self._im_start))
         max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling.max_tokens, "prompt")
-        handle = self._submit(self._job(rendered, call.sampling, max_tokens, None))
+        handle = await self._submit(self._job(rendered, call.sampling, max_tokens, None))
         cid = f"cmpl-{self._prefix}-{handle.id}"
         if call.sampling.stream:
             return await self._run(handle,
@@ -334,12 +329,7 @@ class Api:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: Prometheus text."""
-        m = self.runtime.metrics
-        m.store_bytes.set(self.runtime.scheduler.store.bytes_used)
-        m.store_entries.set(len(self.runtime.scheduler.store))
-        m.lanes_busy.set(self.runtime.lanes_busy)
-        m.queue_waiting.set(self.runtime.waiting)
-        return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=await self.runtime.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
 
 
 API_KEY = web.AppKey("api", Api)
@@ -353,7 +343,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return await handler(request)
     except ApiError as exc:
         if exc.status < 500:
-            api.runtime.metrics.requests.labels("invalid").inc()
+            api.runtime.count_invalid()
         return _json(exc.body(), status=exc.status)
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -15,6 +15,7 @@ from executor.serve import (
     random_model_id,
 )
 from policy.config import GIB, PolicyConfig
+from tests.executor.serve_support import ServerProcess
 
 
 def test_defaults_are_the_config_classes():
@@ -32,6 +33,8 @@ def test_flags_override_the_policy_file(tmp_path):
     assert (cfg.context_rows, cfg.port) == (128, 0)
     assert config_from_args(parse_args(["--prompt-cache-gib", "0"])).policy.warm_active is False
     assert config_from_args(parse_args(["--no-snap-starts"])).policy.snap_starts is False
+    assert config_from_args(parse_args([])).engine_process is True
+    assert config_from_args(parse_args(["--no-engine-process"])).engine_process is False
     path.write_text("snap_starts = false\n")
     assert config_from_args(parse_args(["--policy", str(path), "--snap-starts"])).policy.snap_starts is True
 
@@ -74,3 +77,17 @@ def test_random_weights_without_a_gpu_exit_1_saying_so(capsys):
     """No silent fallback: the reference backend cannot hold a real shape's random weights."""
     assert main(["--random-weights", "qwen3.5-0.8b", "--port", "0"]) == 1
     assert "--random-weights qwen3.5-0.8b needs the cuda backend" in capsys.readouterr().err
+
+
+def test_in_process_server_serves_and_stops():
+    """--no-engine-process: the runtime in the HTTP process; the same API and metrics,
+    and the ready log line says where the engine runs."""
+    server = ServerProcess("--no-engine-process")
+    try:
+        reply = server.client().chat.completions.create(model="tiny-qwen3_5-v1", max_tokens=3, seed=1,
+                                                        messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.completion_tokens == 3
+        assert server.metric("warmstate_requests_total", outcome="length") == 1.0
+        assert '"engine_process": false' in server.stderr_tail(100)
+    finally:
+        assert server.stop() == 0

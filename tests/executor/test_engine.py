@@ -1,0 +1,212 @@
+"""`executor.engine`: the runtime in a process of its own, on the tiny reference model.
+
+The engine process must give the same replies, usage and warm-pass resumes as the
+in-process runtime, pass rejections, cancellations and metrics through, fail open
+requests (not hang them) when it dies, and report start-up failures with their kind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import attrs
+import pytest
+
+from executor.chat import ChatRenderer, load_template
+from executor.config import load_config
+from executor.engine import EngineClient, EngineFailed, _wire
+from executor.model import tiny_model_dir
+from executor.numba_cuda.device import is_gpu_available
+from executor.reference.backend import ReferenceBackend
+from executor.replies import ChatContinuation
+from executor.runtime import Done, Job, Rejected, Runtime, Tokens
+from executor.sampling import SamplingParams
+from executor.serve import ServeConfig, run_engine
+from executor.tokenizer import load_tokenizer
+from policy.config import PolicyConfig
+
+POLICY = PolicyConfig(max_chunk_rows=16, warm_quiet_ms=0.0, prompt_cache_bytes=1 << 30)
+MESSAGES = ({"role": "user", "content": "What is the weather like in Paris today?"},)
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatRenderer:
+    model = tiny_model_dir()
+    return ChatRenderer(load_tokenizer(model), load_template(model))
+
+
+def _job(renderer: ChatRenderer, messages=MESSAGES, max_tokens: int = 6, seed: int = 7) -> Job:
+    rendered = renderer.render(list(messages), add_generation_prompt=True, enable_thinking=False)
+    return Job(prompt_ids=rendered.token_ids, starts=rendered.starts, max_tokens=max_tokens,
+               sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=seed,
+               continuation=ChatContinuation(messages=tuple(messages), tools=None, enable_thinking=False,
+                                             parse_tools=False, renderer=renderer))
+
+
+async def _collect(handle) -> tuple[list[Tokens], Done]:
+    tokens = []
+    async for event in handle.events():
+        if isinstance(event, Done):
+            return tokens, event
+        tokens.append(event)
+    raise AssertionError("no Done")
+
+
+async def _turns(runtime, renderer: ChatRenderer) -> list[tuple[tuple[int, ...], str, int, int]]:
+    """Two turns of one chat: (token ids, text, cached_tokens, prompt_tokens) of each."""
+    first = await _collect(await runtime.enqueue(_job(renderer)))
+    reply = {"role": "assistant", "content": first[1].text}
+    await asyncio.sleep(0.5)  # the warm pass of the reply runs (warm_quiet_ms = 0)
+    second_messages = (*MESSAGES, reply, {"role": "user", "content": "And tomorrow?"})
+    second = await _collect(await runtime.enqueue(_job(renderer, second_messages, seed=8)))
+    return [(d.token_ids, d.text, d.cached_tokens, d.prompt_tokens) for _, d in (first, second)]
+
+
+def test_engine_process_equals_in_process_runtime(renderer):
+    """Same tokens, text and cached_tokens (the second turn resumes where the warm pass
+    kept the reply) from the engine process and from a runtime in this process."""
+    cfg = ServeConfig(backend="reference", policy=POLICY)
+
+    async def engine():
+        client = await EngineClient.start(run_engine, (cfg,), timeout_s=120)
+        try:
+            assert client.info.backend == "reference" and client.facts.invariant_rows is None
+            assert client.vocab_size == load_config(tiny_model_dir()).vocab_size
+            return await _turns(client, renderer)
+        finally:
+            await client.close()
+
+    async def local():
+        runtime = Runtime(ReferenceBackend.from_dir(tiny_model_dir()), renderer.tokenizer, POLICY)
+        await runtime.start()
+        try:
+            return await _turns(runtime, renderer)
+        finally:
+            await runtime.close()
+
+    remote, here = asyncio.run(engine()), asyncio.run(local())
+    assert remote == here
+    assert len(remote[0][0]) == 6
+    prompt_rows = remote[1][3]
+    assert 0 < remote[1][2] < prompt_rows  # the second turn resumed from a kept state
+
+
+def test_rejection_cancellation_metrics_and_close(renderer):
+    cfg = ServeConfig(backend="reference", policy=POLICY.with_changes(lanes=1, queue_rows=1))
+
+    async def run():
+        client = await EngineClient.start(run_engine, (cfg,), timeout_s=120)
+        try:
+            long = await client.enqueue(_job(renderer, max_tokens=400))
+            events = long.events()
+            assert isinstance(await events.__anext__(), Tokens)  # admitted and decoding
+            waiting = await client.enqueue(_job(renderer, max_tokens=2, seed=1))
+            with pytest.raises(Rejected) as rejected:
+                await client.enqueue(_job(renderer, max_tokens=2, seed=2))
+            assert rejected.value.reason == "queue_full"
+            client.cancel(long)
+            done = [e async for e in events if isinstance(e, Done)]
+            assert done[0].reason == "cancelled"
+            _, second = await _collect(waiting)
+            assert second.reason == "length" and second.completion_tokens == 2
+            client.count_invalid()
+            text = (await client.render_metrics()).decode()
+            assert 'warmstate_requests_total{outcome="cancelled"} 1.0' in text
+            assert 'warmstate_requests_total{outcome="rejected"} 1.0' in text
+            assert 'warmstate_requests_total{outcome="length"} 1.0' in text
+            assert 'warmstate_requests_total{outcome="invalid"} 1.0' in text
+            assert client.lanes_busy == 0 and client.waiting == 0 and client.broken is None
+            # close: a request still open ends "cancelled"
+            open_handle = await client.enqueue(_job(renderer, max_tokens=400, seed=3))
+            await client.close()
+            _, last = await _collect(open_handle)
+            assert last.reason == "cancelled"
+            assert client.process.exitcode == 0
+            with pytest.raises(Rejected) as after:
+                await client.enqueue(_job(renderer))
+            assert after.value.reason == "shutting_down"
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_engine_death_fails_open_requests(renderer):
+    cfg = ServeConfig(backend="reference", policy=POLICY)
+
+    async def run():
+        client = await EngineClient.start(run_engine, (cfg,), timeout_s=120)
+        try:
+            handle = await client.enqueue(_job(renderer, max_tokens=2000))
+            events = handle.events()
+            assert isinstance(await events.__anext__(), Tokens)
+            os.kill(client.process.pid, signal.SIGKILL)
+            rest = [e async for e in events]
+            assert isinstance(rest[-1], Done) and rest[-1].reason == "error"
+            assert "engine process died" in rest[-1].error
+            assert "engine process died" in client.broken
+            with pytest.raises(Rejected) as exc:
+                await client.enqueue(_job(renderer))
+            assert exc.value.reason == "runtime_failed"
+            assert await client.render_metrics() == b""
+        finally:
+            await asyncio.wait_for(client.close(), 30)
+
+    asyncio.run(run())
+
+
+def test_start_failure_names_the_error_and_its_kind(tmp_path: Path):
+    (tmp_path / "config.json").write_text('{"model_type": "not-qwen"}')
+
+    async def run(cfg):
+        await EngineClient.start(run_engine, (cfg,), timeout_s=120)
+
+    with pytest.raises(EngineFailed) as bad_checkpoint:
+        asyncio.run(run(ServeConfig(model=tmp_path, backend="reference")))
+    assert bad_checkpoint.value.kind == "value" and "model_type" in str(bad_checkpoint.value)
+    with pytest.raises(EngineFailed) as missing:
+        asyncio.run(run(ServeConfig(model=tmp_path / "missing", backend="reference")))
+    assert missing.value.kind == "value" and "missing" in str(missing.value)
+    if not is_gpu_available():  # CI: --backend cuda cannot start (exit 1, not 2)
+        with pytest.raises(EngineFailed) as no_gpu:
+            asyncio.run(run(ServeConfig(backend="cuda")))
+        assert no_gpu.value.kind == "runtime" and "--backend cuda" in str(no_gpu.value)
+
+
+def test_only_chat_continuations_cross_the_pipe(renderer):
+    job = _job(renderer)
+    wired = _wire(job)
+    assert wired.continuation.renderer is None and wired.continuation == job.continuation
+    assert _wire(attrs.evolve(job, continuation=None)).continuation is None
+    with pytest.raises(ValueError, match="ChatContinuation"):
+        _wire(attrs.evolve(job, continuation=lambda text: None))
+    with pytest.raises(RuntimeError, match="no renderer"):
+        wired.continuation("hello")
+
+
+def test_runtime_sink_and_after_commit(renderer):
+    """A sink gets every event in order (no queue); after_commit runs once per committed
+    step, after that step's events reached the sink."""
+    async def run():
+        runtime = Runtime(ReferenceBackend.from_dir(tiny_model_dir()), renderer.tokenizer, POLICY)
+        seen: list = []
+        commits: list[int] = []
+        runtime.after_commit = lambda: commits.append(len(seen))
+        await runtime.start()
+        try:
+            handle = runtime.submit(_job(renderer, max_tokens=5), sink=seen.append)
+            for _ in range(500):
+                if seen and isinstance(seen[-1], Done):
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await runtime.close()
+        return handle, seen, commits
+
+    handle, seen, commits = asyncio.run(run())
+    assert isinstance(seen[-1], Done) and all(isinstance(e, Tokens) for e in seen[:-1])
+    assert sum(len(e.token_ids) for e in seen if isinstance(e, Tokens)) == 5 and seen[-1].completion_tokens == 5
+    assert handle.queue.__class__.__name__ == "Sink"
+    assert commits == sorted(commits) and commits[-1] == len(seen)  # every event went out by a commit
