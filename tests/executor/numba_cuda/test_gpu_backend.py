@@ -389,6 +389,30 @@ def test_decode_graphs_equal_eager(models, lanes):
     assert _same(eager_states, replayed_states)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_decode_logits_are_one_read_only_copy(models, graphs):
+    """A round's host logits come back read-only and each state keeps a view of its row
+    (`advance`: no second copy), equal to the returned row; a snapshot copies it."""
+    _, gpu = models
+    states = [gpu.new_state() for _ in range(3)]
+    replay = DecodeGraphs(gpu) if graphs else None
+    try:
+        for i, state in enumerate(states):
+            gpu.prefill(state, _prompt(gpu.config, 20 + i, 500 + i), (0, 20 + i))
+        logits = (replay.decode if graphs else gpu.decode)(states, [1, 2, 3])
+        assert not logits.flags.writeable
+        for lane, state in enumerate(states):
+            assert np.shares_memory(state.logits, logits)
+            np.testing.assert_array_equal(state.logits, logits[lane])
+        kept = gpu.snapshot(states[1]).logits
+        assert not np.shares_memory(kept, logits) and np.array_equal(kept, logits[1])
+    finally:
+        if replay is not None:
+            replay.close()
+        for state in states:
+            gpu.release(state)
+
+
 def test_decode_graphs_catch_a_planted_break(models, monkeypatch):
     """Planted: the capture's recording run is not undone, so the first round is applied twice."""
     _, gpu = models
