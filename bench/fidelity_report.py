@@ -64,7 +64,8 @@ def decision(e: dict[str, Any]) -> str | None:
 @attrs.frozen(kw_only=True)
 class RequestFacts:
     """One request in one trace. Times in seconds on that trace's clock; None when the
-    event never came (rejected, cancelled, missing)."""
+    event never came (rejected, cancelled, missing). chunks: (pass kind, start, end,
+    seconds, requests admitted and unfinished when the chunk started) of its passes."""
 
     arrived_s: float
     rows: int
@@ -74,7 +75,7 @@ class RequestFacts:
     output_rows: int | None = None
     reason: str | None = None
     decisions: tuple[str, ...] = ()
-    chunks: tuple[tuple[str, int, int, float], ...] = ()
+    chunks: tuple[tuple[str, int, int, float, int], ...] = ()
 
     @property
     def e2e_s(self) -> float | None:
@@ -105,13 +106,18 @@ def trace_facts(events: Iterable[dict[str, Any]], key_of: Callable[[str], Key | 
     of its requests; its events go to its newest arrived turn."""
     fields: dict[Key, dict[str, Any]] = {}
     decisions: dict[Key, list[str]] = {}
-    chunks: dict[Key, list[tuple[str, int, int, float]]] = {}
-    started: dict[int, tuple[Key, float]] = {}
+    chunks: dict[Key, list[tuple[str, int, int, float, int]]] = {}
+    started: dict[int, tuple[Key, float, int]] = {}
+    in_flight: set[str] = set()
     conv_of: dict[str, str] = {}
     newest: dict[str, Key] = {}
     unkeyed = evictions = rejected = 0
     for e in events:
         kind = e["kind"]
+        if kind == "request_admitted":
+            in_flight.add(e["request"])
+        elif kind == "request_finished":
+            in_flight.discard(e["request"])
         if kind == "state_evicted":
             evictions += 1
             continue
@@ -140,15 +146,24 @@ def trace_facts(events: Iterable[dict[str, Any]], key_of: Callable[[str], Key | 
         elif kind == "request_finished":
             f.update(finished_s=e["t"], output_rows=e["output_rows"], reason=e["reason"])
         elif kind == "chunk_started":
-            started[e["stream"]] = (key, e["t"])
+            started[e["stream"]] = (key, e["t"], len(in_flight))
         elif kind == "chunk_done" and e["stream"] in started:
-            owner, t0 = started.pop(e["stream"])
-            chunks[owner].append((e["pass_kind"], e["start"], e["end"], e["t"] - t0))
+            owner, t0, active = started.pop(e["stream"])
+            chunks[owner].append((e["pass_kind"], e["start"], e["end"], e["t"] - t0, active))
         text = decision(e)
         if text is not None:
             decisions[key].append(text)
     requests = {k: RequestFacts(**f, decisions=tuple(decisions[k]), chunks=tuple(chunks[k])) for k, f in fields.items()}
     return TraceFacts(requests=requests, unkeyed_requests=unkeyed, evictions=evictions, rejected=rejected)
+
+
+ACTIVE_BUCKETS = ("0-2", "3-5", "6-8", "9-11", "12+")
+"""Labels of `Comparison.chunk_ratio_by_active`: requests in flight on the server."""
+
+
+def active_bucket(active: int) -> str:
+    """The ACTIVE_BUCKETS label of `active` requests in flight (0-2, 3-5, ..., 12+)."""
+    return ACTIVE_BUCKETS[min(max(active, 0) // 3, len(ACTIVE_BUCKETS) - 1)]
 
 
 def ape(sim: float | None, server: float | None) -> float | None:
@@ -199,7 +214,11 @@ class Comparison:
     ttft_mdape / e2e_mdape: median absolute percentage error (fractions) over requests with
     both values; ttft_bias: median signed (sim - server) / server. chunk_mdape / chunk_bias:
     the same over the duration of each prefill step (ChunkStarted to ChunkDone, the chunk and
-    any decode round beside it) matched by (request, pass kind, rows); token_mdape /
+    any decode round beside it) matched by (request, pass kind, rows); chunk_ratio_by_active:
+    (label, median server / sim seconds of those steps, count) by how many requests were in
+    flight on the server when the step began ("0-2", "3-5", "6-8", "9-11", "12+"; a lone
+    step's ratio is the cost model against this host, the growth with load is contention and
+    per-lane work the model lacks); token_mdape /
     token_bias: over each request's mean seconds per token after the first. These two say how
     far the cost model is off, apart from queueing. kind_counts: per decision kind, (server
     count, sim count) where they differ.
@@ -212,6 +231,7 @@ class Comparison:
     ttft_bias: float
     chunk_mdape: float
     chunk_bias: float
+    chunk_ratio_by_active: tuple[tuple[str, float, int], ...]
     token_mdape: float
     token_bias: float
     decisions_equal: int
@@ -240,16 +260,23 @@ def compare(server: TraceFacts, sim: TraceFacts) -> Comparison:
     signed = lambda x, y: None if x is None or y is None or y <= 0 else (x - y) / y
     bias = [v for a, b in both if (v := signed(b.ttft_s, a.ttft_s)) is not None]
     steps = []
+    ratios: dict[str, list[float]] = {label: [] for label in ACTIVE_BUCKETS}
     for a, b in both:
         sim_chunks = {c[:3]: c[3] for c in b.chunks}
-        steps += [v for c in a.chunks if (v := signed(sim_chunks.get(c[:3]), c[3])) is not None]
+        for c in a.chunks:
+            sim_s = sim_chunks.get(c[:3])
+            if (v := signed(sim_s, c[3])) is not None:
+                steps.append(v)
+                if sim_s:
+                    ratios[active_bucket(c[4])].append(c[3] / sim_s)
+    by_active = tuple((label, median(v), len(v)) for label, v in ratios.items() if v)
     tokens = [v for a, b in both if (v := signed(b.token_s, a.token_s)) is not None]
     count = lambda facts: Counter(d.split(" ", 1)[0] for f in facts.requests.values() for d in f.decisions)
     cs, cm = count(server), count(sim)
     kinds = {k: (cs[k], cm[k]) for k in sorted(set(cs) | set(cm)) if cs[k] != cm[k]}
     return Comparison(rows=tuple(rows), cached_equal=sum(r.cached_equal for r in rows), ttft_mdape=median(ttft),
                       e2e_mdape=median(e2e), ttft_bias=median(bias), chunk_mdape=median(map(abs, steps)),
-                      chunk_bias=median(steps), token_mdape=median(map(abs, tokens)), token_bias=median(tokens),
+                      chunk_bias=median(steps), chunk_ratio_by_active=by_active, token_mdape=median(map(abs, tokens)), token_bias=median(tokens),
                       decisions_equal=sum(r.first_diff is None for r in rows), kind_counts=kinds,
                       server=server, sim=sim)
 
@@ -297,6 +324,8 @@ def summary_lines(c: Comparison) -> list[str]:
         (f"cost model alone: prefill step median absolute error {_pct(c.chunk_mdape)} "
          f"(signed {_pct(c.chunk_bias)}), seconds per decoded token {_pct(c.token_mdape)} "
          f"(signed {_pct(c.token_bias)})"),
+        ("prefill step server / sim by requests in flight: "
+         + (", ".join(f"{label}: {ratio:.2f}x ({n})" for label, ratio, n in c.chunk_ratio_by_active) or "none")),
         (f"decisions identical on {c.decisions_equal}/{n} requests; decision kinds whose counts differ "
          f"(server/sim): {kinds}"),
         f"evictions server {c.server.evictions}, sim {c.sim.evictions}",
@@ -310,7 +339,8 @@ def report_json(c: Comparison) -> dict[str, Any]:
 
     return {"requests": len(c.rows), "cached_equal": c.cached_equal, "ttft_mdape": c.ttft_mdape,
             "e2e_mdape": c.e2e_mdape, "ttft_bias": c.ttft_bias, "chunk_mdape": c.chunk_mdape,
-            "chunk_bias": c.chunk_bias, "token_mdape": c.token_mdape, "token_bias": c.token_bias,
+            "chunk_bias": c.chunk_bias,
+            "chunk_ratio_by_active": [list(x) for x in c.chunk_ratio_by_active], "token_mdape": c.token_mdape, "token_bias": c.token_bias,
             "decisions_equal": c.decisions_equal,
             "kind_counts": c.kind_counts, "evictions": [c.server.evictions, c.sim.evictions],
             "rows": [{"request": key_text(r.key), "server": side(r.server), "sim": side(r.sim),

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from executor.api_schema import ApiError, ChatCall, Sampling, decode_body, parse_chat, parse_completion
 from executor.chat import IM_START, ChatError, ChatRenderer, Rendered
+from executor.engine import EngineClient
 from executor.metrics import CONTENT_TYPE
 from executor.replies import ChatContinuation, ReplyParser
 from executor.runtime import Done, Handle, Job, Rejected, Runtime, Tokens
@@ -73,7 +74,7 @@ def _done_error(done: Done) -> ApiError:
 class Api:
     """Request handlers of one server (see the module docstring)."""
 
-    def __init__(self, runtime: Runtime, renderer: ChatRenderer, cfg: ApiConfig) -> None:
+    def __init__(self, runtime: Runtime | EngineClient, renderer: ChatRenderer, cfg: ApiConfig) -> None:
         self.runtime, self.renderer, self.cfg = runtime, renderer, cfg
         self._prefix = secrets.token_hex(4)
         self._created = int(time.time())

@@ -12,7 +12,7 @@ import pytest
 
 from bench.fidelity import Rendered, main, sim_workload
 from bench.fidelity_plan import PLANS, make_plan
-from bench.fidelity_report import compare, median, report_lines, trace_facts
+from bench.fidelity_report import ACTIVE_BUCKETS, active_bucket, compare, median, report_lines, trace_facts
 from executor.model import tiny_config
 from sim.cost import Grid, Profile, TableCost, profile_to_dict
 
@@ -81,6 +81,9 @@ def test_comparison_by_hand():
     assert c.e2e_mdape == pytest.approx(0.175)
     # prefill steps matched by (pass, start, end): cold [0, 100) -10%, warm [64, 120) 0%, cold [120, 130) +25%
     assert c.chunk_mdape == pytest.approx(0.1) and c.chunk_bias == pytest.approx(0.0)
+    # server / sim per step: 0.1 / 0.09, 0.05 / 0.05, 0.02 / 0.025; one request in flight at each
+    # (req-99 never admitted): all in "0-2", median 1.0
+    assert c.chunk_ratio_by_active == (("0-2", pytest.approx(1.0), 3),)
     # seconds per token after the first: server 0.1 and 0.09, sim 0.0925 and 0.1125: -7.5% and +25%
     assert c.token_mdape == pytest.approx(0.1625) and c.token_bias == pytest.approx(0.0875)
     # the warm pass after turn 0 belongs to turn 0; the sim's extra yield is its first difference
@@ -95,6 +98,13 @@ def test_comparison_by_hand():
     text = "\n".join(report_lines(c))
     assert "cached_tokens identical: 2/2" in text and "TTFT median absolute error: 22.5%" in text
     assert "c/0" in text and "srv 'chunk warm [64,120) tail=120 restore=64' sim 'warm_yielded 64'" in text
+    assert "prefill step server / sim by requests in flight: 0-2: 1.00x (3)" in text
+
+
+def test_active_buckets():
+    assert [active_bucket(n) for n in (0, 2, 3, 5, 6, 9, 11, 12, 40)] == [
+        "0-2", "0-2", "3-5", "3-5", "6-8", "9-11", "9-11", "12+", "12+"]
+    assert ACTIVE_BUCKETS[-1] == "12+"
 
 
 def test_cached_difference_is_flagged():
