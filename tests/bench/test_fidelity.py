@@ -12,7 +12,14 @@ import pytest
 
 from bench.fidelity import Rendered, main, sim_workload
 from bench.fidelity_plan import PLANS, make_plan
-from bench.fidelity_report import ACTIVE_BUCKETS, active_bucket, compare, median, report_lines, trace_facts
+from bench.fidelity_report import (
+    ACTIVE_BUCKETS,
+    active_bucket,
+    compare,
+    median,
+    report_lines,
+    trace_facts,
+)
 from executor.model import tiny_config
 from sim.cost import Grid, Profile, TableCost, profile_to_dict
 
