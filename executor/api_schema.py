@@ -86,18 +86,21 @@ class CompletionCall:
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; ApiError for bad UTF-8, bad JSON, lone surrogates."""
+    """The request body as a JSON object; ApiError (400) for bad UTF-8, bad JSON, nesting
+    deeper than the interpreter's recursion limit (~1000 levels), lone surrogates."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(f"request body is not valid UTF-8 (byte {exc.start})") from None
     try:
         body = json.loads(text)
+        if not isinstance(body, dict):
+            raise ApiError("request body must be a JSON object")
+        _check_strings(body, "")
     except json.JSONDecodeError as exc:
         raise ApiError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
-    _check_strings(body, "")
+    except RecursionError:  # json and the string check recurse once per nesting level
+        raise ApiError("request body is nested too deeply") from None
     return body
 
 

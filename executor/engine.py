@@ -12,11 +12,11 @@ tokenization; the engine process (started with the `spawn` method: CUDA does not
 exchange pickled tuples over one `multiprocessing` pipe:
 
     API -> engine: ("submit", token, Job)  ("cancel", request id)  ("metrics", token)
-                   ("invalid",)  ("close",)
+                   ("status", token)  ("invalid",)  ("close",)
     engine -> API: ("ready", EngineInfo)  ("failed", kind, message)
                    ("accepted", token, request id, conversation, prompt rows)  ("rejected", token, reason)
                    ("events", [(request id, Tokens | Done), ...], Status)
-                   ("metrics", token, bytes, Status)  ("closed",)
+                   ("metrics", token, bytes, Status)  ("status", token, Status)  ("closed",)
 
 Each event goes straight into an outbox (`Runtime.submit(job, sink=...)`: no queue or task
 per request), and the outbox leaves as one "events" message right after each step's
@@ -156,6 +156,8 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
                 runtime.cancel(handle)
         elif kind == "metrics":
             send(("metrics", message[1], runtime.metrics_text(), status()))
+        elif kind == "status":
+            send(("status", message[1], status()))
         elif kind == "invalid":
             runtime.count_invalid()
         elif kind == "close":
@@ -291,15 +293,36 @@ class EngineClient:
         if handle.id in self._handles:
             self._send(("cancel", handle.id))
 
-    async def render_metrics(self) -> bytes:
-        """The engine's Prometheus text, gauges read now (b"" when the engine is gone)."""
-        if self._dead:
-            return b""
+    async def _ask(self, kind: str, timeout_s: float):
         token = next(self._tokens)
         future = asyncio.get_running_loop().create_future()
         self._pending[token] = future
-        self._send(("metrics", token))
-        return await future
+        self._send((kind, token))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._pending.pop(token, None)
+
+    async def render_metrics(self, timeout_s: float = 10.0) -> bytes:
+        """The engine's Prometheus text, gauges read now (b"" when the engine is gone).
+        Raises TimeoutError when the engine does not answer within `timeout_s` seconds."""
+        if self._dead:
+            return b""
+        try:
+            return await self._ask("metrics", timeout_s)
+        except Rejected:  # it died meanwhile
+            return b""
+
+    async def refresh_status(self, timeout_s: float = 5.0) -> bool:
+        """Ask the engine for its status now (its loop answers even while a step runs);
+        False when it did not answer within `timeout_s` seconds (a wedged engine), or is gone."""
+        if self._dead:
+            return False
+        try:
+            await self._ask("status", timeout_s)
+        except (TimeoutError, Rejected):
+            return False
+        return True
 
     def count_invalid(self) -> None:
         """Count a request refused before it reached the scheduler."""
@@ -371,9 +394,14 @@ class EngineClient:
                 future.set_exception(Rejected(message[2]))
         elif kind == "metrics":
             self._status = message[3]
-            future = self._pending.pop(message[1])
-            if not future.done():
+            future = self._pending.pop(message[1], None)
+            if future is not None and not future.done():
                 future.set_result(message[2])
+        elif kind == "status":
+            self._status = message[2]
+            future = self._pending.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(None)
         elif kind == "closed":
             self._closed.set()
         else:
@@ -384,6 +412,7 @@ class EngineClient:
         if self._dead:
             return
         self._stop_reading()
+        self.process.join(0.5)  # reap it, so its exit code is known
         code = self.process.exitcode
         self._dead = "shut down" if self._closed.is_set() else f"the engine process died (exit code {code})"
         if not self._closed.is_set():

@@ -225,6 +225,11 @@ class Runtime:
         self._gauges()
         return self.metrics.render()
 
+    async def refresh_status(self, timeout_s: float = 5.0) -> bool:
+        """Always True: in this process `lanes_busy`, `waiting` and `broken` are live (the
+        interface `executor.server.Api` uses; the engine process's client asks its engine)."""
+        return True
+
     async def render_metrics(self) -> bytes:
         """`metrics_text`, awaitable (the interface `executor.server.Api` uses)."""
         return self.metrics_text()

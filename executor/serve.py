@@ -335,15 +335,47 @@ async def _engine(conn: Any, cfg: ServeConfig) -> None:
 
 
 async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
-    """Load the model, serve until SIGINT/SIGTERM, stop cleanly."""
+    """Load the model, serve until SIGINT/SIGTERM, stop cleanly (a signal while the engine
+    process is still loading stops it too)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await _serve(cfg, out, stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _start_engine(cfg: ServeConfig, stop: asyncio.Event) -> EngineClient | None:
+    """The engine process once ready, or None when `stop` was set first (it is then stopped)."""
+    starting = asyncio.ensure_future(EngineClient.start(run_engine, (cfg,)))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if starting.done():
+        return starting.result()
+    starting.cancel()  # EngineClient.start kills the process on cancellation
+    try:
+        await starting
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event) -> None:
     model = _model(cfg)
     trace = None
     runtime: Runtime | EngineClient
     if cfg.engine_process:
-        tokenizer, runtime = await asyncio.gather(asyncio.to_thread(_tokenizer, model),
-                                                  EngineClient.start(run_engine, (cfg,)))
+        tokenizer, engine = await asyncio.gather(asyncio.to_thread(_tokenizer, model), _start_engine(cfg, stop))
+        if engine is None:
+            log.info("stopped_while_starting")
+            return
+        runtime = engine
         renderer = ChatRenderer(tokenizer, model.template)
-        backend_name, context_rows = runtime.info.backend, runtime.info.context_rows
+        backend_name, context_rows = engine.info.backend, engine.info.context_rows
         gc.collect()
         gc.freeze()
     else:
@@ -357,10 +389,6 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
     api = Api(runtime, renderer, ApiConfig(model_id=model.model_id, context_rows=context_rows,
                                            stop_ids=frozenset(stop_ids)))
     runner = web.AppRunner(build_app(api), handler_cancellation=True, access_log=None)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     site = None
     try:
         if isinstance(runtime, Runtime):
@@ -386,8 +414,6 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
         await runner.cleanup()
         if trace is not None:
             trace.close()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
     log.info("stopped")
 
 

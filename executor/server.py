@@ -19,6 +19,8 @@ from typing import Any
 import attrs
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from executor.api_schema import ApiError, ChatCall, Sampling, decode_body, parse_chat, parse_completion
 from executor.chat import IM_START, ChatError, ChatRenderer, Rendered
@@ -32,6 +34,8 @@ log = structlog.get_logger(__name__)
 
 MAX_BODY_BYTES = 32 << 20
 """Largest request body accepted (bytes); larger gets 413."""
+HEALTH_TIMEOUT_S = 5.0
+"""How long /health waits for the engine process's status before answering 503."""
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +91,8 @@ class Api:
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(f"request body larger than {MAX_BODY_BYTES} bytes", status=413,
                            code="request_too_large") from None
+        except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. a corrupt gzip body
+            raise ApiError(f"request body cannot be read: {exc}", code="invalid_body") from None
         return decode_body(raw)
 
     def _check_model(self, sampling: Sampling) -> None:
@@ -323,14 +329,24 @@ class Api:
             "max_model_len": self.cfg.context_rows}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health: 200 while serving, 503 when the runtime failed."""
+        """GET /health: 200 while serving; 503 when the runtime failed, or when the engine
+        process did not answer within HEALTH_TIMEOUT_S seconds."""
+        fresh = await self.runtime.refresh_status(HEALTH_TIMEOUT_S)
         if self.runtime.broken:
             return _json({"status": "failed", "error": self.runtime.broken}, status=503)
+        if not fresh:
+            return _json({"status": "unresponsive",
+                          "error": f"the engine did not answer within {HEALTH_TIMEOUT_S:g} s"}, status=503)
         return _json({"status": "ok", "lanes_busy": self.runtime.lanes_busy, "waiting": self.runtime.waiting})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """GET /metrics: Prometheus text."""
-        return web.Response(body=await self.runtime.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
+        """GET /metrics: Prometheus text (503 when the engine process does not answer)."""
+        try:
+            body = await self.runtime.render_metrics()
+        except TimeoutError:
+            raise ApiError("the engine did not answer", status=503, type="server_error",
+                           code="engine_unresponsive") from None
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 API_KEY = web.AppKey("api", Api)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -27,6 +30,7 @@ from executor.serve import ServeConfig, run_engine
 from executor.tokenizer import load_tokenizer
 from policy.config import PolicyConfig
 
+ROOT = Path(__file__).resolve().parents[2]
 POLICY = PolicyConfig(max_chunk_rows=16, warm_quiet_ms=0.0, prompt_cache_bytes=1 << 30)
 MESSAGES = ({"role": "user", "content": "What is the weather like in Paris today?"},)
 
@@ -210,3 +214,71 @@ def test_runtime_sink_and_after_commit(renderer):
     assert sum(len(e.token_ids) for e in seen if isinstance(e, Tokens)) == 5 and seen[-1].completion_tokens == 5
     assert handle.queue.__class__.__name__ == "Sink"
     assert commits == sorted(commits) and commits[-1] == len(seen)  # every event went out by a commit
+
+
+def test_status_is_asked_not_cached_and_a_stopped_engine_is_unresponsive(renderer):
+    """refresh_status reads the engine's counts now (no event needed), and returns False
+    when the engine does not answer (SIGSTOP: a wedged engine); it answers again after SIGCONT."""
+    cfg = ServeConfig(backend="reference", policy=POLICY)
+
+    async def run():
+        client = await EngineClient.start(run_engine, (cfg,), timeout_s=120)
+        try:
+            handle = await client.enqueue(_job(renderer, max_tokens=2000))
+            events = handle.events()
+            await events.__anext__()
+            assert await client.refresh_status(10) is True and client.lanes_busy == 1
+            os.kill(client.process.pid, signal.SIGSTOP)
+            try:
+                assert await client.refresh_status(0.5) is False
+                with pytest.raises(TimeoutError):
+                    await client.render_metrics(timeout_s=0.5)
+            finally:
+                os.kill(client.process.pid, signal.SIGCONT)
+            assert await client.refresh_status(10) is True and client.broken is None
+            client.cancel(handle)
+            assert [e async for e in events][-1].reason == "cancelled"
+            assert await client.refresh_status(10) is True and client.lanes_busy == 0
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_sigterm_while_the_engine_loads_stops_both_processes():
+    """A signal before `ready` stops the server (exit 0) and its engine process with it."""
+    proc = subprocess.Popen([sys.executable, "-m", "executor.serve", "--port", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 30
+        while not children and time.monotonic() < deadline and proc.poll() is None:
+            children = _children(proc.pid)
+            time.sleep(0.05)
+        assert children, "no engine process was started"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "ready" not in out
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in children)
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return set()
+    return {int(x) for x in text.split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import urllib.error
 import urllib.request
 
 import openai
@@ -148,6 +149,7 @@ RAW = [
     ("not-an-object", b"[1, 2]", None),
     ("invalid-utf8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
     ("lone-surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("nested-too-deep", b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
 ]
 
 
@@ -171,6 +173,19 @@ BAD_COMPLETION = [
 def test_bad_completion_body_gets_4xx(server, body, param):
     status, out = server.post("/v1/completions", {"model": MODEL, **body})
     assert 400 <= status < 500 and out["error"]["param"] == param
+    _ok(server)
+
+
+def test_corrupt_gzip_body_gets_400_and_counts_as_invalid(server):
+    before = server.metric("warmstate_requests_total", outcome="invalid")
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=b"xx",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400
+    out = json.loads(err.value.read())
+    assert out["error"]["code"] == "invalid_body" and "cannot be read" in out["error"]["message"]
+    assert server.metric("warmstate_requests_total", outcome="invalid") == before + 1
     _ok(server)
 
 
