@@ -351,7 +351,7 @@ def parse_completion(body: Mapping[str, Any], vocab_size: int) -> CompletionCall
         if bad:
             raise ApiError(f"prompt: token id {bad[0]} is outside [0, {vocab_size})", "prompt", code="invalid_value")
         value = tuple(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise _unsupported("prompt", "one prompt per request (a list of prompts is not supported)")
     else:
         raise ApiError("prompt: expected a non-empty string or list of token ids", "prompt", code="invalid_type")

@@ -336,13 +336,20 @@ async def _engine(conn: Any, cfg: ServeConfig) -> None:
 
 async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
     """Load the model, serve until SIGINT/SIGTERM, stop cleanly (a signal while the engine
-    process is still loading stops it too)."""
-    stop = asyncio.Event()
+    process is still loading stops it too; a second signal kills a busy engine at once)."""
+    stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: do not wait for the engine's step in flight
+            log.warning("stopping_now")
+            force.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
-        await _serve(cfg, out, stop)
+        await _serve(cfg, out, stop, force)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -364,7 +371,20 @@ async def _start_engine(cfg: ServeConfig, stop: asyncio.Event) -> EngineClient |
     return None
 
 
-async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event) -> None:
+async def _close(runtime: Runtime | EngineClient, force: asyncio.Event) -> None:
+    """Close the runtime; with an engine process, a second signal (`force`) kills the engine
+    instead of waiting for its step in flight (its open requests end with an error)."""
+    closing = asyncio.ensure_future(runtime.close())
+    if isinstance(runtime, EngineClient):
+        forcing = asyncio.ensure_future(force.wait())
+        await asyncio.wait({closing, forcing}, return_when=asyncio.FIRST_COMPLETED)
+        forcing.cancel()
+        if not closing.done():
+            runtime.process.kill()
+    await closing
+
+
+async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asyncio.Event) -> None:
     model = _model(cfg)
     trace = None
     runtime: Runtime | EngineClient
@@ -410,7 +430,7 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event) -> None:
     finally:
         if site is not None:
             await site.stop()
-        await runtime.close()
+        await _close(runtime, force)
         await runner.cleanup()
         if trace is not None:
             trace.close()

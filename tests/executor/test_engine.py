@@ -29,6 +29,7 @@ from executor.sampling import SamplingParams
 from executor.serve import ServeConfig, run_engine
 from executor.tokenizer import load_tokenizer
 from policy.config import PolicyConfig
+from tests.executor.serve_support import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = PolicyConfig(max_chunk_rows=16, warm_quiet_ms=0.0, prompt_cache_bytes=1 << 30)
@@ -282,3 +283,30 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_second_signal_kills_a_wedged_engine():
+    """SIGTERM waits for the engine's step in flight (up to minutes); a second one kills the
+    engine at once (here: a SIGSTOPped engine) and the server still exits 0."""
+    server = ServerProcess()
+    try:
+        engines = [pid for pid in _children(server.proc.pid)
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # not the resource tracker
+        assert len(engines) == 1
+        engine = engines[0]
+        os.kill(engine, signal.SIGSTOP)
+        status, _ = server.get("/health")
+        assert status == 503
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert server.proc.poll() is None  # still waiting for the engine
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=20) == 0
+        assert time.monotonic() - t0 < 15
+        deadline = time.monotonic() + 10
+        while _alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(engine)
+    finally:
+        server.kill()

@@ -231,3 +231,14 @@ def test_disconnect_mid_stream_frees_the_lane(server):
     server.wait_metric("warmstate_requests_total", before + 1, outcome="cancelled")
     assert server.metric("warmstate_lanes_busy") == 0
     _ok(server)
+
+
+def test_prompt_type_errors_say_what_is_wrong():
+    """A list of non-integers is a type error; only a list of prompts is "one prompt per request"."""
+    from executor.api_schema import ApiError, parse_completion
+
+    for prompt, words in (([1.0, 2.0], "list of token ids"), ([1, "a"], "list of token ids"),
+                          (["a", "b"], "one prompt per request"), ([[1], [2]], "one prompt per request")):
+        with pytest.raises(ApiError) as err:
+            parse_completion({"prompt": prompt}, 100)
+        assert err.value.param == "prompt" and words in err.value.message
