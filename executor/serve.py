@@ -12,8 +12,9 @@ With no --model it serves the built-in tiny random Qwen3.5 (real tokenizer).
 real shapes without a checkpoint (cuda backend only). Policy
 defaults come from `PolicyConfig` (a --policy file, then these flags, override them).
 The scheduler and the backend run in a process of their own (executor/engine.py) unless
---no-engine-process. Prints the URL and a `ready URL` line on stdout (`--port 0` picks a free port); logs go
-to stderr through structlog (JSON unless stderr is a terminal); SIGINT/SIGTERM stop it.
+--no-engine-process. Prints the URL and a `ready URL` line on stdout (`--port 0` picks a
+free port); logs go to stderr through structlog (JSON unless stderr is a terminal);
+SIGINT/SIGTERM stop it (a second one kills a busy engine at once).
 """
 
 from __future__ import annotations
