@@ -22,7 +22,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from executor.errors import CheckpointError
-from executor.tokenizer import token_id
+from executor.tokenizer import BlockEncoder, token_id
 
 IM_START = "<|im_start|>"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -283,10 +283,12 @@ class ChatRenderer:
     tokenizer: Tokenizer
     template: str | None = None
     _compiled: jinja2.Template | None = attrs.field(init=False, default=None, eq=False, repr=False)
+    _blocks: BlockEncoder = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.template is not None:
             object.__setattr__(self, "_compiled", compile_template(self.template))
+        object.__setattr__(self, "_blocks", BlockEncoder(self.tokenizer, IM_START))
 
     def text(
         self,
@@ -301,8 +303,10 @@ class ChatRenderer:
         return render_text_jinja(self._compiled, normalized, tools, add_generation_prompt, enable_thinking)
 
     def encode(self, text: str) -> Rendered:
-        """Tokenize rendered text; starts are the rows of its `<|im_start|>` tokens."""
-        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """Tokenize rendered text; starts are the rows of its `<|im_start|>` tokens. The ids
+        of blocks already seen (from one `<|im_start|>` to the next: a chat's history) are
+        remembered, not tokenized again (`executor.tokenizer.BlockEncoder`: the same ids)."""
+        ids = tuple(self._blocks.encode(text))
         marker = token_id(self.tokenizer, IM_START)
         return Rendered(text, ids, tuple(row for row, t in enumerate(ids) if t == marker))
 

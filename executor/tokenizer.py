@@ -11,7 +11,10 @@ import base64
 import importlib.resources
 import json
 import os
+import threading
 import unicodedata
+from array import array
+from collections import OrderedDict
 from pathlib import Path
 
 import structlog
@@ -201,6 +204,166 @@ def token_id(tokenizer: Tokenizer, token: str) -> int:
     if found is None:
         raise KeyError(f"tokenizer has no token {token!r}")
     return found
+
+
+PIECEWISE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+"""Normalizers that map each piece of text by its content alone (not by where it sits)."""
+PIECEWISE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits"})
+"""Pre-tokenizers that split each piece by its content alone (Metaspace is left out: its
+prepend_scheme "first" depends on where a piece sits)."""
+
+
+def _component_types(component: object, members: str) -> list[str] | None:
+    """Types of a normalizer or pre-tokenizer, Sequences flattened ([] for None; None when
+    its state cannot be read)."""
+    if component is None:
+        return []
+    try:
+        state = json.loads(component.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    out: list[str] = []
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if not isinstance(item, dict):
+            return None
+        if item.get("type") == "Sequence":
+            stack.extend(item.get(members) or [])
+        else:
+            out.append(str(item.get("type")))
+    return out
+
+
+def splits_before(tokenizer: Tokenizer, marker: str) -> bool:
+    """Whether, for every text `a` and every text `b` that starts with `marker`,
+    `encode(a + b) == encode(a) + encode(b)` (ids, add_special_tokens=False).
+
+    It holds when `marker` is an added token matched wherever it appears in the raw text
+    (not normalized, no lstrip/rstrip/single_word) that no other added token can overlap
+    (none contains it, none ends with a prefix of it), since the tokenizer cuts the text at
+    added tokens before anything else and then normalizes, pre-tokenizes and encodes
+    each piece alone; and when nothing after that cut looks past its piece: normalizers
+    and pre-tokenizers of `PIECEWISE_*`, a BPE model without dropout, no truncation or
+    padding (the post-processor adds nothing without special tokens). False otherwise
+    (then text must be encoded whole).
+    """
+    try:
+        added = tokenizer.get_added_tokens_decoder()
+        marker_id = tokenizer.token_to_id(marker)
+        model = tokenizer.model
+    except Exception:  # a tokenizers version without these
+        return False
+    token = added.get(marker_id) if marker_id is not None else None
+    if token is None or token.content != marker:
+        return False
+    if token.normalized or token.lstrip or token.rstrip or token.single_word:
+        return False
+    for other in added.values():
+        text = other.content
+        if text == marker:
+            continue
+        if marker in text or any(marker.startswith(text[k:]) for k in range(1, len(text))):
+            return False
+    normalizers = _component_types(tokenizer.normalizer, "normalizers")
+    pre_tokenizers = _component_types(tokenizer.pre_tokenizer, "pretokenizers")
+    if normalizers is None or not set(normalizers) <= PIECEWISE_NORMALIZERS:
+        return False
+    if pre_tokenizers is None or not set(pre_tokenizers) <= PIECEWISE_PRE_TOKENIZERS:
+        return False
+    if type(model).__name__ != "BPE" or getattr(model, "dropout", None) is not None:
+        return False
+    return tokenizer.truncation is None and tokenizer.padding is None
+
+
+BLOCK_CACHE_CHARS = 16 << 20
+"""Characters of blocks a `BlockEncoder` remembers (about twice as many bytes with their ids)."""
+
+
+class BlockEncoder:
+    """`tokenizer.encode(text, add_special_tokens=False).ids`, the same ids, with the ids
+    of each block of text remembered: a block runs from one `marker` (chat rendering's
+    `<|im_start|>`) to the next. A chat request repeats its history's blocks, so only the
+    blocks new since the previous turn are tokenized (a 4,100-row history took 7 to 15 ms
+    to tokenize whole on a 2-core CPU, under 1 ms with its blocks remembered: time on the
+    path to the first token).
+
+    Blocks not remembered are encoded in runs, one call per run of adjacent new blocks,
+    and their ids cut at the marker's id; the least recently used blocks are dropped
+    beyond `max_chars` characters. When `splits_before(tokenizer, marker)` does not hold
+    (or max_chars is 0) every text is encoded whole. Thread-safe (the API renders in
+    worker threads). hits / misses: blocks found / encoded, since construction.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, marker: str, max_chars: int = BLOCK_CACHE_CHARS) -> None:
+        self.tokenizer, self.marker, self.max_chars = tokenizer, marker, max_chars
+        self.marker_id = tokenizer.token_to_id(marker)
+        self.enabled = max_chars > 0 and splits_before(tokenizer, marker)
+        self.hits = self.misses = 0
+        self._blocks: OrderedDict[str, array] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text` (as `tokenizer.encode(text, add_special_tokens=False).ids`)."""
+        if not self.enabled:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        parts = text.split(self.marker)
+        blocks = ([parts[0]] if parts[0] else []) + [self.marker + part for part in parts[1:]]
+        with self._lock:
+            found = [self._get(block) for block in blocks]
+        out: list[int] = []
+        i = 0
+        while i < len(blocks):
+            if found[i] is not None:
+                out.extend(found[i])
+                i += 1
+                continue
+            j = i + 1
+            while j < len(blocks) and found[j] is None:
+                j += 1
+            ids = self.tokenizer.encode("".join(blocks[i:j]), add_special_tokens=False).ids
+            self._remember(blocks[i:j], ids)
+            out.extend(ids)
+            i = j
+        return out
+
+    def _get(self, block: str) -> array | None:
+        ids = self._blocks.get(block)
+        if ids is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._blocks.move_to_end(block)
+        return ids
+
+    def _remember(self, blocks: list[str], ids: list[int]) -> None:
+        """Cut a run's ids at the marker's id, one piece per block; remembers nothing when
+        the cuts do not match the blocks."""
+        cuts = [] if blocks[0].startswith(self.marker) else [0]
+        at = 0
+        try:
+            while True:
+                at = ids.index(self.marker_id, at)
+                cuts.append(at)
+                at += 1
+        except ValueError:
+            pass
+        if len(cuts) != len(blocks) or cuts[0] != 0:
+            return
+        cuts.append(len(ids))
+        with self._lock:
+            for k, block in enumerate(blocks):
+                if len(block) > self.max_chars or block in self._blocks:
+                    continue
+                self._blocks[block] = array("I", ids[cuts[k] : cuts[k + 1]])
+                self._chars += len(block)
+            while self._chars > self.max_chars:
+                old, _ = self._blocks.popitem(last=False)
+                self._chars -= len(old)
 
 
 def nfc(text: str) -> str:

@@ -234,8 +234,10 @@ class NumbaCudaBackend:
         if tail_from > start and self.config.layer_types[-1] != FULL:
             raise ValueError("a tail needs a full-attention last layer")
         n = end - start
+        # one upload: ids | positions | row slots | lane slot | row_start (0, n)
+        inputs = _i32(np.concatenate([ids, np.arange(start, end), np.full(n, state.slot), [state.slot, 0, n]]))
         logits = self._forward(
-            _i32(ids), _i32(np.arange(start, end)), _i32(np.full(n, state.slot)), _i32([state.slot]), _i32([0, n]),
+            inputs[:n], inputs[n : 2 * n], inputs[2 * n : 3 * n], inputs[3 * n : 3 * n + 1], inputs[3 * n + 1 :],
             end - 1, (state.slot, start), tail_from - start, want_logits,
         )
         logits = None if logits is None else logits.copy_to_host()

