@@ -21,6 +21,12 @@ _F32 = np.float32
 
 SUBCHUNK_ROWS = 64
 """Rows per sub-chunk, anchored at absolute row multiples (ops.DELTA_SUBCHUNK_ROWS)."""
+PHASE1_VALUE_HEADS = 1
+"""Value heads one phase-1 block handles (0: a key head's whole group). With one, a 64-row
+sub-chunk of the 27B shape runs 48 blocks instead of 16 (a short chunk's phase 1 is a
+chain of dependent steps per value head, not a throughput problem); each block recomputes
+its key head's Gram matrices with the same operations in the same order, so the bits do
+not depend on this."""
 STATE_COLS = 16
 """Value columns of the state one phase-2 block owns (16 or 32: more blocks vs more reuse)."""
 STATE_THREADS = THREADS
@@ -48,9 +54,10 @@ else:
 
 
 @functools.cache
-def _subchunk_kernel(key_heads: int, key_dim: int):
-    """Phase 1 for q and k of `key_heads` heads of `key_dim`: one block per (sub-chunk, key
-    head); thread t owns rows r0 + a (a < _GRAM_ROWS) and columns t % 8 + 8 b (b < 8) of
+def _subchunk_kernel(key_heads: int, key_dim: int, per_block: int):
+    """Phase 1 for q and k of `key_heads` heads of `key_dim`: one block per (sub-chunk,
+    `per_block` value heads of one key head: blockIdx.y = key head * blocks per key head +
+    which); thread t owns rows r0 + a (a < _GRAM_ROWS) and columns t % 8 + 8 b (b < 8) of
     the [C, C] products. qn and kn come flat ([rows * key_heads * key_dim])."""
     row_len = key_heads * key_dim
 
@@ -61,10 +68,12 @@ def _subchunk_kernel(key_heads: int, key_dim: int):
         # tmats: flat [subchunks, value_heads, 2, C, C] f32 (T, then M T)
         # din, dout: [rows, value_heads] f32 (exp(c_i), exp(c_last - c_i))
         s = cuda.blockIdx.x
-        kh = cuda.blockIdx.y
         t = cuda.threadIdx.x
         rows = g.shape[0]
         group = g.shape[1] // key_heads
+        blocks = group // per_block  # blocks per key head
+        kh = cuda.blockIdx.y // blocks
+        vh0 = cuda.blockIdx.y % blocks * per_block
         lo = max(0, s * _C - off)
         n = min(rows, (s + 1) * _C - off) - lo
         buf = cuda.shared.array(_GRAM_BUF, np.float32)  # [C, C] A, M, M T | [C, C] T; q/k tiles first
@@ -107,7 +116,7 @@ def _subchunk_kernel(key_heads: int, key_dim: int):
                         qk_acc[a, b] += qi * vec[b]
                 d += 1
             cuda.syncthreads()
-        for vh in range(group):
+        for vh in range(vh0, vh0 + per_block):
             hv = kh * group + vh
             if t < _C:
                 cum[t] = g[lo + t, hv] if t < n else _F32(0.0)
@@ -385,9 +394,9 @@ def delta_chunked(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, st
     the same bits for every chunking whose cuts are multiples of 64.
 
     Two launches on `stream`:
-    phase 1 (`_subchunk_kernel`), grid (sub-chunks, key_heads), THREADS threads, 33.8 KB
-    static shared: the Gram matrices k.k and q.k of the sub-chunk once per key head, then
-    per value head of its group c = cumsum(g), A = strict_lower(beta_i k_i.k_j
+    phase 1 (`_subchunk_kernel`), grid (sub-chunks, value_heads), THREADS threads, 33.8 KB
+    static shared: the Gram matrices k.k and q.k of the sub-chunk's key head, then for its
+    value head c = cumsum(g), A = strict_lower(beta_i k_i.k_j
     exp(c_i - c_j)), T = (I + A)^-1 by forward substitution (one column per thread) and
     M T with M = lower_incl(q_i.k_j exp(c_i - c_j)), into scratch (2 x 64 x 64 f32 per
     sub-chunk and value head: 201 MB at 48 value heads x 8192 rows), with exp(c) and
@@ -428,8 +437,10 @@ def delta_chunked(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, st
     din = empty((rows, value_heads), np.float32, stream)
     dout = empty((rows, value_heads), np.float32, stream)
     q_flat, k_flat = qn.reshape(qn.size), kn.reshape(kn.size)
-    phase1 = _subchunk_kernel(key_heads, key_dim)
-    phase1[(subchunks, key_heads), THREADS, stream](q_flat, k_flat, g, beta, off, tmats, din, dout)
+    group = value_heads // key_heads
+    per_block = PHASE1_VALUE_HEADS if PHASE1_VALUE_HEADS and group % PHASE1_VALUE_HEADS == 0 else group
+    phase1 = _subchunk_kernel(key_heads, key_dim, per_block)
+    phase1[(subchunks, value_heads // per_block), THREADS, stream](q_flat, k_flat, g, beta, off, tmats, din, dout)
     phase2 = _state_kernel(STATE_COLS, STATE_THREADS, key_heads, key_dim)
     grid = ((value_dim + STATE_COLS - 1) // STATE_COLS, value_heads)
     phase2[grid, STATE_THREADS, stream](q_flat, k_flat, mixed, v0, beta, off, slot, tmats, din, dout, states, out)

@@ -119,6 +119,14 @@ def _numba_pointer(array) -> int:
     return int(ptr)
 
 
+EMPTY_LAYOUT = "empty"
+"""The layout part of an empty array's launch key (`LeanArray.launch_key`, `launch._arg_key`):
+no numba type has it, so a launch with an empty array argument fails the first-launch check
+and runs through numba, under a key of its own, whatever rule this numba-cuda types empty
+arrays by (numba-cuda 0.30 and the numba CPU installs carry disagree on a zero stride), and
+no signature of non-empty arrays ever takes that path because of it."""
+
+
 def layout_of(shape: tuple, strides: tuple, itemsize: int) -> str:
     """numba's array layout letter ("C", "F" or "A") for these shape, strides (bytes) and
     itemsize: numba-cuda's `DeviceNDArray._numba_type_` over dummyarray's contiguity flags
@@ -172,7 +180,8 @@ class LeanArray:
     array contiguous in its last axis, `is_c_contiguous()`, `__cuda_array_interface__`
     (version 3, no stream). Everything else (copies to and from the host, other indexing)
     goes through `to_numba()`, a numba view of the same memory (made once, then kept).
-    `launch_key`: (dtype, ndim, layout), the numba type's parts that pick a compiled kernel.
+    `launch_key`: (dtype, ndim, layout), the numba type's parts that pick a compiled kernel
+    (layout EMPTY_LAYOUT for an empty array).
     """
 
     __slots__ = ("_numba", "_owner", "dtype", "launch_key", "ndim", "ptr", "shape", "size", "strides")
@@ -189,7 +198,7 @@ class LeanArray:
         self.ptr, self.shape, self.strides, self.dtype, self._owner = ptr, shape, strides, dtype, owner
         self.ndim = len(shape)
         self.size = math.prod(shape)
-        self.launch_key = (dtype, self.ndim, layout)
+        self.launch_key = (dtype, self.ndim, layout if self.size else EMPTY_LAYOUT)
         self._numba = None
 
     @classmethod
@@ -376,17 +385,21 @@ class DevicePool:
                 self._retired.append(ptr)
 
     def release(self) -> None:
-        """Free every cached and retired block now (after the device finishes its work)."""
+        """Free every cached and retired block now (after the device finishes its work).
+
+        The lists are swapped for fresh empty ones under the lock and freed from the
+        detached ones, so a lease that dies meanwhile on this thread (a garbage collection;
+        the RLock lets its `_give` in) gives its block to the fresh lists, where it stays
+        cached until the next call, and never changes the lists being freed."""
         from numba.cuda.cudadrv.driver import driver
 
         with self._lock:
-            blocks = [ptr for ptrs in self._free.values() for ptr in ptrs] + self._retired
-            self._free.clear()
-            self._retired = []
-            self.cached_bytes = 0
+            free, retired = self._free, self._retired
+            self._free, self._retired, self.cached_bytes = {}, [], 0
         cuda.synchronize()
-        for ptr in blocks:
-            driver.cuMemFree(ptr)
+        for ptrs in (retired, *free.values()):
+            for ptr in ptrs:
+                driver.cuMemFree(ptr)
         cuda.current_context().deallocations.clear()
 
     def array(self, shape: tuple, dtype: np.dtype, stream=0) -> "LeanArray":

@@ -16,9 +16,10 @@ Control": the `extra` argument). The field layout is numba-cuda's
 itemsize, data pointer, shape[ndim], strides[ndim]; an integer, float or boolean scalar is
 its C value; each field at its natural alignment, as `struct`'s native mode lays them out.
 Checked at run time, not assumed: the first fast launch of each signature packs numba's own
-ctypes fields (`_prepare_args` on the same arguments) and compares bytes; on a mismatch, an
-argument kind this does not pack (records, tuples, complex), a cooperative or debug kernel,
-or any error, that signature stays on numba's path for good. Under the CUDA simulator, or
+ctypes fields (`_prepare_args` on the same arguments) and compares bytes, and compares each
+array argument's key (layout, ndim) with numba's type for it; on a mismatch, an argument
+kind this does not pack (records, tuples, complex), a cooperative or debug kernel, or any
+error, that signature stays on numba's path for good. Under the CUDA simulator, or
 with WARMSTATE_FAST_LAUNCH=0, `fast` returns the dispatcher itself.
 
 Launches go to the same stream in the same order as numba's, so stream capture into CUDA
@@ -34,7 +35,7 @@ import os
 import struct
 import threading
 
-from executor.numba_cuda.device import IS_SIMULATOR, LeanArray
+from executor.numba_cuda.device import EMPTY_LAYOUT, IS_SIMULATOR, LeanArray
 
 ENABLED = not IS_SIMULATOR and os.environ.get("WARMSTATE_FAST_LAUNCH", "1") != "0"
 """Whether `fast` wraps dispatchers (off under the simulator and with WARMSTATE_FAST_LAUNCH=0)."""
@@ -88,12 +89,17 @@ def _stream_handle(stream) -> int:
 
 
 def _arg_key(arg):
-    """What decides numba's type of an argument (DeviceNDArray._numba_type_ for arrays;
-    a LeanArray's `launch_key` is the same triple, computed once)."""
+    """What decides numba's type of an argument: (dtype, ndim, layout) for a numba device
+    array, by DeviceNDArray._numba_type_'s rule for a non-empty one (a zero stride is a
+    broadcast, typed "A"), layout EMPTY_LAYOUT for an empty one (numba versions type those
+    differently; the key sends them to numba's path); a LeanArray's `launch_key` (the same
+    triple, computed once); else the argument's Python type."""
     if type(arg) is LeanArray:
         return arg.launch_key
     if getattr(arg, "__cuda_ndarray__", False):
         strides = arg.strides
+        if not arg.size:
+            return (arg.dtype, len(strides), EMPTY_LAYOUT)
         flags = arg.flags
         broadcast = 0 in strides
         if flags["C_CONTIGUOUS"] and not broadcast:
@@ -222,6 +228,10 @@ class FastKernel:
                 self.rejected[key] = reason
 
     def _check(self, config, args):
+        """The signature of these arguments' compiled kernel, or the reason (a str) it stays
+        on numba's path: no overload, a kernel kind or argument type not packed here, an
+        array argument whose `_arg_key` layout or ndim is not numba's type for it, or packed
+        bytes that differ from numba's."""
         dispatcher = self.dispatcher
         numba_args = _numba_args(args)
         argtypes = tuple(dispatcher.typeof_pyval(a) for a in numba_args)
@@ -233,10 +243,11 @@ class FastKernel:
         layout = parameter_layout(kernel.argument_types)
         if isinstance(layout, str):
             return layout
-        for ty, value in zip(kernel.argument_types, args):
-            if type(value) is LeanArray and (getattr(ty, "layout", None), getattr(ty, "ndim", None)) != (
-                    value.launch_key[2], value.launch_key[1]):
-                return f"numba types a LeanArray {value.launch_key} as {ty}"
+        for kind, ty, value in zip(layout[0], kernel.argument_types, args):
+            if kind is _ARRAY:
+                key = _arg_key(value)
+                if not isinstance(key, tuple) or (key[2], key[1]) != (ty.layout, ty.ndim):
+                    return f"numba types an array argument keyed {key} as {ty}"
         signature = _Signature(_handle(kernel._codelibrary.get_cufunc().handle), *layout)
         stream = config[2] if len(config) > 2 else 0
         expected = []

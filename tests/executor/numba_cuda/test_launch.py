@@ -11,23 +11,26 @@ against numba's own `_prepare_args` before a signature takes the fast path
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from numba.core import types
 
 from executor.numba_cuda import launch
+from executor.numba_cuda.device import EMPTY_LAYOUT
 
 
 class FakeArray:
-    """What `_arg_key` and `_pack` read of a numba DeviceNDArray."""
+    """What `_arg_key`, `_pack` and numba's `_numba_type_` read of a numba DeviceNDArray."""
 
     __cuda_ndarray__ = True
 
     def __init__(self, shape, strides, dtype, pointer, c=True, f=False):
         self.shape, self.strides, self.dtype = tuple(shape), tuple(strides), np.dtype(dtype)
+        self.ndim = len(self.shape)
         self.size = int(np.prod(shape))
-        self.pointer = pointer
+        self.pointer = self.ptr = pointer
         self.flags = {"C_CONTIGUOUS": c, "F_CONTIGUOUS": f}
 
 
@@ -102,6 +105,56 @@ def test_arg_key_follows_numba_s_layout_rule(array, layout):
     assert launch._arg_key(3) is int and launch._arg_key(np.float32(1)) is np.float32
 
 
+@pytest.mark.parametrize(
+    ("shape", "order", "strides"),
+    [((5, 0), "C", (0, 4)), ((3, 0, 4), "C", (0, 16, 4)), ((0, 5), "C", (20, 4)), ((0,), "C", (4,)),
+     ((4, 0), "F", (4, 16))],
+    ids=["5x0", "3x0x4", "0x5", "0", "4x0-fortran"],
+)
+def test_an_empty_array_is_keyed_apart_and_launches_through_numba(shape, order, strides):
+    """Empty arrays as `cuda.device_array(shape, order=order)` makes them: keyed with
+    EMPTY_LAYOUT (numba-cuda 0.30 types a 5x0 array with a zero stride "C", the numba CPU
+    installs "A"), which the first-launch check rejects under that key alone: the launch
+    goes through numba, and a non-empty array of the same dtype and rank stays fast."""
+    from numba.cuda.api_util import prepare_shape_strides_dtype
+    from numba.cuda.cudadrv import dummyarray
+
+    assert prepare_shape_strides_dtype(shape, None, np.float32, order)[1] == strides
+    flags = dummyarray.Array.from_desc(0, shape, strides, 4).flags
+    empty = FakeArray(shape, strides, np.float32, 0, c=flags["C_CONTIGUOUS"], f=flags["F_CONTIGUOUS"])
+    assert launch._arg_key(empty) == (np.dtype(np.float32), len(shape), EMPTY_LAYOUT)
+    kernel = launch.FastKernel(TypedDispatcher(_numba_type(empty)))
+    kernel[1, 32](empty)
+    assert kernel.numba_launches == 1 and kernel.fast_launches == 0
+    assert list(kernel.rejected) == [((np.dtype(np.float32), len(shape), EMPTY_LAYOUT),)]
+
+
+@pytest.mark.parametrize("c", [True, False], ids=["c", "not-c"])
+@pytest.mark.parametrize("f", [True, False], ids=["f", "not-f"])
+@pytest.mark.parametrize(
+    ("shape", "strides"),
+    [((4, 8), (32, 4)), ((4, 8), (0, 4)), ((1, 8), (0, 4)), ((4, 8), (4, 16))],
+    ids=["4x8", "4x8-broadcast", "1x8-zero-stride", "4x8-fortran"],
+)
+def test_arg_key_applies_numba_s_rule_to_any_flags(shape, strides, c, f):
+    """For a non-empty array `_arg_key` is `DeviceNDArray._numba_type_`'s rule itself,
+    whatever the flags say (a zero stride is "A"), so no array keys apart from its numba type."""
+    array = FakeArray(shape, strides, np.float32, 0, c=c, f=f)
+    want = _numba_type(array)
+    assert launch._arg_key(array) == (np.dtype(np.float32), want.ndim, want.layout)
+
+
+def _numba_type(array):
+    """numba's own `DeviceNDArrayBase._numba_type_` of `array` (a property in the numba
+    CPU installs carry, a cached_property in numba-cuda 0.30: call its function either way)."""
+    import inspect
+
+    from numba.cuda.cudadrv import devicearray
+
+    attr = inspect.getattr_static(devicearray.DeviceNDArrayBase, "_numba_type_")
+    return (getattr(attr, "fget", None) or attr.func)(array)
+
+
 def test_dim3():
     assert launch._dim3(5) == (5, 1, 1)
     assert launch._dim3((5, 2)) == (5, 2, 1)
@@ -166,3 +219,41 @@ def test_numba_fields_may_be_numpy_scalars_or_binding_pointers():
     assert launch._numba_bytes([True, 0, -2]) == b"\x01" + b"\0" * 7 + bytes(8) + (-2).to_bytes(8, "little", signed=True)
     with pytest.raises(TypeError, match="str"):
         launch._numba_bytes(["x"])
+
+
+class _Compiled:
+    """A compiled overload as `_check` reads it: its argument types, a CUfunction handle,
+    and numba's `_prepare_args` (the fields `_numba_fields` builds)."""
+
+    def __init__(self, argument_types):
+        self.argument_types = argument_types
+        self._codelibrary = SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=7))
+
+    def _prepare_args(self, ty, value, stream, retr, kernelargs):
+        kernelargs.extend(_numba_fields(ty, value))
+
+
+class TypedDispatcher(FakeDispatcher):
+    """Types every argument as `numba_type` and has that one overload compiled."""
+
+    def __init__(self, numba_type):
+        super().__init__()
+        self.numba_type = numba_type
+        self.overloads = {(numba_type,): _Compiled([numba_type])}
+
+    def typeof_pyval(self, value):
+        return self.numba_type
+
+
+def test_a_numba_array_typed_with_another_layout_than_its_key_stays_on_numba_s_path():
+    array = FakeArray((4, 8), (32, 4), np.float32, 0xABC000)  # keyed (float32, 2, "C")
+    same = launch.FastKernel(TypedDispatcher(types.Array(types.float32, 2, "C")))
+    assert isinstance(same._check((1, 32), (array,)), launch._Signature)  # control: everything else passes
+
+    kernel = launch.FastKernel(TypedDispatcher(types.Array(types.float32, 2, "A")))
+    kernel[1, 32](array)
+    key = ((np.dtype(np.float32), 2, "C"),)
+    assert kernel.rejected == {
+        key: "numba types an array argument keyed (dtype('float32'), 2, 'C') as array(float32, 2d, A)"}
+    kernel[1, 32](array)
+    assert kernel.numba_launches == 2 and kernel.fast_launches == 0
