@@ -7,12 +7,15 @@ Prefill: keys are visited in blocks of THREADS rows anchored at absolute row mul
 position, never on the chunk or tile it sits in (key blocks past a row are masked and
 leave its running sums exactly unchanged). Decode: one block per (lane, K/V head, split of
 DECODE_SPLIT_ROWS keys anchored at row 0) serves every query head of the group, so each
-K/V row is read once per lane; warp w takes keys w, w + 4, ... of the split, its lanes
-own dimensions lane, lane + 32, ... (coalesced loads, a fixed butterfly sum per key), and
-the four warps' softmax states merge in a fixed order. The split count follows the
-context, never the batch; splits past a lane's position exit at once, so a larger
-max_pos (a CUDA graph sized for the pool) changes no bit. Twins: ops.attention, then
-ops.sigmoid_gate.
+K/V row is read once per lane. Lane l holds dimensions 8l .. 8l + 7 (one 16-byte load of a
+K or V row); each warp loads DECODE_KEYS_IN_FLIGHT keys before it uses them. Three phases
+per split: every key's score for every head of the group (a fixed butterfly sum), the
+split's exact softmax (its max, then exp(s - max) and their sum), then P V with each warp
+summing its keys in ascending order and the warps' sums added in a fixed order. The
+combine merges the splits (a fixed tree for the max and the denominator, ascending splits
+for the output) and applies the gate. The split count follows the context, never the
+batch; splits past a lane's position exit at once, so a larger max_pos (a CUDA graph sized
+for the pool) changes no bit. Twins: ops.attention, then ops.sigmoid_gate.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, check, empty, f32_to_bf16
+from executor.numba_cuda.gemv import WORD, bf16_hi, bf16_lo, vector_load
 from executor.numba_cuda.launch import fast
 
 TILE_ROWS = 8
@@ -32,6 +36,8 @@ MAX_HEAD_DIM = 256
 _DIMS_PER_THREAD = MAX_HEAD_DIM // THREADS
 DECODE_SPLIT_ROWS = 128
 """Keys per decode split (a constant: the split count depends on the context only)."""
+MAX_DECODE_SPLIT_ROWS = 512
+"""The largest decode split (its scores live in shared memory: 4 bytes x group x split)."""
 MAX_GROUP = 8
 """Query heads per K/V head the decode kernel serves."""
 WARP = 32
@@ -171,16 +177,52 @@ else:
         return value
 
 
+if IS_SIMULATOR:
+
+    def _warp_max(value, scratch):
+        """The max of `value` over the warp's 32 lanes (the simulator's shared-memory tree)."""
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        scratch[warp, lane] = value
+        cuda.syncthreads()
+        step = WARP // 2
+        while step > 0:
+            if lane < step:
+                scratch[warp, lane] = max(scratch[warp, lane], scratch[warp, lane + step])
+            cuda.syncthreads()
+            step //= 2
+        top = scratch[warp, 0]
+        cuda.syncthreads()
+        return top
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def _warp_max(value, scratch):
+        """The max of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
+        for step in (16, 8, 4, 2, 1):
+            value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, step))
+        return value
+
+
+DECODE_KEYS_IN_FLIGHT = 4
+"""Keys whose 16-byte K (or V) loads each warp issues before it uses the first."""
+
+
 @functools.cache
-def _decode_kernel(group: int, dims: int):
-    """The decode partial kernel for `group` query heads per K/V head and `dims` dimensions
-    per lane (head_dim <= 32 * dims)."""
-    width = WARP * dims
+def _decode_kernel(group: int, chunks: int, split_rows: int):
+    """The decode partial kernel for `group` query heads per K/V head, head_dim = 8 x
+    `chunks` (lane l holds dimensions 8l .. 8l + 7: one 16-byte load of a K or V row),
+    and `split_rows` keys per split."""
+    head_dim = 8 * chunks
+    in_flight = DECODE_KEYS_IN_FLIGHT
+    per_pass = WARPS * in_flight
 
     @fast
     @cuda.jit
-    def kernel(q, q_slot, q_pos, kcache, vcache, split_rows, m_out, l_out, o_out):
-        # q: [nq, q_heads, head_dim] f32; kcache, vcache: [slots, capacity, kv_heads, head_dim] bf16
+    def kernel(q, q_slot, q_pos, k32, v32, capacity, kv_heads, m_out, l_out, o_out):
+        # q: [nq, q_heads, head_dim] f32; k32, v32: one layer's cache [slots, capacity, kv_heads,
+        # head_dim] bf16 as flat WORD words (vector_load indexes uint32 words)
         # m_out, l_out: [nq, q_heads, splits] f32; o_out: [nq, q_heads, splits, head_dim] f32
         row = cuda.blockIdx.x
         kv_head = cuda.blockIdx.y
@@ -188,80 +230,107 @@ def _decode_kernel(group: int, dims: int):
         t = cuda.threadIdx.x
         lane = t % WARP
         warp = t // WARP
-        head_dim = q.shape[2]
         pos = q_pos[row]
         key_lo = split * split_rows
         if key_lo > pos:
             return
-        key_hi = key_lo + split_rows
-        if key_hi > pos + 1:
-            key_hi = pos + 1
+        n = pos + 1 - key_lo
+        if n > split_rows:
+            n = split_rows
         slot = q_slot[row]
         head0 = kv_head * group
+        active = lane < chunks
         scale = _F32(1.0) / math.sqrt(_F32(head_dim))
+        scores = cuda.shared.array((group, split_rows), np.float32)  # then exp(s - m)
+        partial = cuda.shared.array((WARPS, group, head_dim), np.float32)
         scratch = cuda.shared.array((WARPS, WARP), np.float32)
-        qr = cuda.local.array((group, dims), np.float32)
-        acc = cuda.local.array((group, dims), np.float32)
-        m = cuda.local.array(group, np.float32)
-        l = cuda.local.array(group, np.float32)
-        kd = cuda.local.array(dims, np.float32)
-        vd = cuda.local.array(dims, np.float32)
+        qr = cuda.local.array((group, 8), np.float32)
         for g in range(group):
-            m[g] = _NEG_INF
-            l[g] = _F32(0.0)
-            for j in range(dims):
-                d = lane + WARP * j
-                qr[g, j] = q[row, head0 + g, d] * scale if d < head_dim else _F32(0.0)
-                acc[g, j] = _F32(0.0)
-        for base in range(key_lo, key_hi, WARPS):
-            key = base + warp
-            live = key < key_hi
-            for j in range(dims):
-                d = lane + WARP * j
-                kd[j] = bf16_to_f32(kcache[slot, key, kv_head, d]) if live and d < head_dim else _F32(0.0)
-                vd[j] = bf16_to_f32(vcache[slot, key, kv_head, d]) if live and d < head_dim else _F32(0.0)
+            for e in range(8):
+                qr[g, e] = q[row, head0 + g, 8 * lane + e] * scale if active else _F32(0.0)
+        row_words = head_dim // 2
+        key_words = kv_heads * row_words
+        base = ((slot * capacity + key_lo) * kv_heads + kv_head) * row_words + 4 * lane
+        words = cuda.local.array((in_flight, 4), np.uint32)
+        # scores: warp w takes keys p0 + w * in_flight + u of each pass; a fixed butterfly per key
+        for p0 in range(0, n, per_pass):
+            for u in range(in_flight):
+                j = p0 + warp * in_flight + u
+                if active and j < n:
+                    w4 = vector_load(k32, base + j * key_words)
+                    for i in range(4):
+                        words[u, i] = w4[i]
+                else:
+                    for i in range(4):
+                        words[u, i] = np.uint32(0)
+            for u in range(in_flight):
+                j = p0 + warp * in_flight + u
+                for g in range(group):
+                    s = _F32(0.0)
+                    for i in range(4):
+                        s = cuda.fma(qr[g, 2 * i], bf16_lo(words[u, i]), s)
+                        s = cuda.fma(qr[g, 2 * i + 1], bf16_hi(words[u, i]), s)
+                    s = _warp_sum(s, scratch)
+                    if lane == 0 and j < n:
+                        scores[g, j] = s
+        cuda.syncthreads()
+        # softmax over the split's keys: warp w takes heads w, w + WARPS, ...
+        for g0 in range(0, group, WARPS):
+            g = g0 + warp
+            top = _NEG_INF
+            if g < group:
+                for j in range(lane, n, WARP):
+                    top = max(top, scores[g, j])
+            top = _warp_max(top, scratch)
+            total = _F32(0.0)
+            if g < group:
+                for j in range(lane, n, WARP):
+                    e = math.exp(scores[g, j] - top)
+                    scores[g, j] = e
+                    total += e
+            total = _warp_sum(total, scratch)
+            if g < group and lane == 0:
+                m_out[row, head0 + g, split] = top
+                l_out[row, head0 + g, split] = total
+        cuda.syncthreads()
+        # P V: each warp its keys in ascending order, then the warps' sums in a fixed order
+        acc = cuda.local.array((group, 8), np.float32)
+        for g in range(group):
+            for e in range(8):
+                acc[g, e] = _F32(0.0)
+        for p0 in range(0, n, per_pass):
+            for u in range(in_flight):
+                j = p0 + warp * in_flight + u
+                if active and j < n:
+                    w4 = vector_load(v32, base + j * key_words)
+                    for i in range(4):
+                        words[u, i] = w4[i]
+            for u in range(in_flight):
+                j = p0 + warp * in_flight + u
+                if active and j < n:
+                    for g in range(group):
+                        p = scores[g, j]
+                        for i in range(4):
+                            acc[g, 2 * i] = cuda.fma(p, bf16_lo(words[u, i]), acc[g, 2 * i])
+                            acc[g, 2 * i + 1] = cuda.fma(p, bf16_hi(words[u, i]), acc[g, 2 * i + 1])
+        if active:
             for g in range(group):
-                s = _F32(0.0)
-                for j in range(dims):
-                    s += qr[g, j] * kd[j]
-                s = _warp_sum(s, scratch)
-                if live:
-                    new_m = s if s > m[g] else m[g]
-                    corr = math.exp(m[g] - new_m)
-                    p = math.exp(s - new_m)
-                    l[g] = l[g] * corr + p
-                    for j in range(dims):
-                        acc[g, j] = acc[g, j] * corr + p * vd[j]
-                    m[g] = new_m
-        sm_m = cuda.shared.array((WARPS, group), np.float32)
-        sm_l = cuda.shared.array((WARPS, group), np.float32)
-        sm_o = cuda.shared.array((WARPS, group, width), np.float32)
-        for g in range(group):
-            if lane == 0:
-                sm_m[warp, g] = m[g]
-                sm_l[warp, g] = l[g]
-            for j in range(dims):
-                sm_o[warp, g, lane + WARP * j] = acc[g, j]
+                for e in range(8):
+                    partial[warp, g, 8 * lane + e] = acc[g, e]
         cuda.syncthreads()
         for i in range(t, group * head_dim, THREADS):
             g = i // head_dim
             d = i % head_dim
-            top = _NEG_INF
-            for w in range(WARPS):
-                if sm_m[w, g] > top:
-                    top = sm_m[w, g]
-            total = _F32(0.0)
-            o = _F32(0.0)
-            for w in range(WARPS):
-                e = math.exp(sm_m[w, g] - top)
-                total += e * sm_l[w, g]
-                o += e * sm_o[w, g, d]
+            o = partial[0, g, d]
+            for w in range(1, WARPS):
+                o += partial[w, g, d]
             o_out[row, head0 + g, split, d] = o
-            if d == 0:
-                m_out[row, head0 + g, split] = top
-                l_out[row, head0 + g, split] = total
 
     return kernel
+
+
+COMBINE_IN_FLIGHT = 4
+"""Splits whose partial outputs each thread loads before it adds the first."""
 
 
 @fast
@@ -271,20 +340,64 @@ def _combine_kernel(q_pos, split_rows, m_in, l_in, o_in, qg, out):
     # qg: [nq, q_heads * 2 * head_dim] f32 (gate half per head); out: [nq, q_heads * head_dim] bf16
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
+    t = cuda.threadIdx.x
     head_dim = o_in.shape[3]
     splits = q_pos[row] // split_rows + 1
+    red = cuda.shared.array(THREADS, np.float32)
+    weights = cuda.shared.array(THREADS, np.float32)
     top = _NEG_INF
-    for s in range(splits):
+    for s in range(t, splits, THREADS):
         top = max(top, m_in[row, head, s])
-    total = _F32(0.0)
-    for s in range(splits):
-        total += math.exp(m_in[row, head, s] - top) * l_in[row, head, s]
-    for d in range(cuda.threadIdx.x, head_dim, THREADS):
-        o = _F32(0.0)
-        for s in range(splits):
-            o += math.exp(m_in[row, head, s] - top) * o_in[row, head, s, d]
-        gate = qg[row, head * 2 * head_dim + head_dim + d]
-        out[row, head * head_dim + d] = f32_to_bf16((o / total) / (_F32(1.0) + math.exp(-gate)))
+    red[t] = top
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:
+        if t < step:
+            red[t] = max(red[t], red[t + step])
+        cuda.syncthreads()
+        step //= 2
+    top = red[0]
+    cuda.syncthreads()
+    part = _F32(0.0)
+    for s in range(t, splits, THREADS):
+        part += math.exp(m_in[row, head, s] - top) * l_in[row, head, s]
+    red[t] = part
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:
+        if t < step:
+            red[t] += red[t + step]
+        cuda.syncthreads()
+        step //= 2
+    total = red[0]
+    o = cuda.local.array(_DIMS_PER_THREAD, np.float32)
+    x = cuda.local.array(COMBINE_IN_FLIGHT, np.float32)
+    for j in range(_DIMS_PER_THREAD):
+        o[j] = _F32(0.0)
+    for c0 in range(0, splits, THREADS):
+        cuda.syncthreads()
+        s = c0 + t
+        weights[t] = math.exp(m_in[row, head, s] - top) if s < splits else _F32(0.0)
+        cuda.syncthreads()
+        count = min(THREADS, splits - c0)
+        for j in range(_DIMS_PER_THREAD):
+            d = t + j * THREADS
+            if d < head_dim:
+                i = 0
+                while i + COMBINE_IN_FLIGHT <= count:
+                    for u in range(COMBINE_IN_FLIGHT):
+                        x[u] = o_in[row, head, c0 + i + u, d]
+                    for u in range(COMBINE_IN_FLIGHT):
+                        o[j] += weights[i + u] * x[u]
+                    i += COMBINE_IN_FLIGHT
+                while i < count:
+                    o[j] += weights[i] * o_in[row, head, c0 + i, d]
+                    i += 1
+    for j in range(_DIMS_PER_THREAD):
+        d = t + j * THREADS
+        if d < head_dim:
+            gate = qg[row, head * 2 * head_dim + head_dim + d]
+            out[row, head * head_dim + d] = f32_to_bf16((o[j] / total) / (_F32(1.0) + math.exp(-gate)))
 
 
 def attention(
@@ -299,7 +412,9 @@ def attention(
     [slots, capacity, kv_heads, head_dim] (one layer, rows [0, q_pos] already written);
     qg: f32 [nq, q_heads * 2 * head_dim] (q_proj output; its gate halves are read);
     tile_rows: TILE_ROWS for prefill, 1 for decode; split_rows: PREFILL_SPLIT_ROWS or
-    DECODE_SPLIT_ROWS. Returns uint16 (bf16) [nq, q_heads * head_dim].
+    DECODE_SPLIT_ROWS. Returns uint16 (bf16) [nq, q_heads * head_dim]. Decode needs
+    head_dim % 8 == 0, split_rows <= MAX_DECODE_SPLIT_ROWS and C-contiguous caches (K/V
+    rows 16-byte aligned); ValueError otherwise.
     Twins: ops.attention, then ops.sigmoid_gate.
     """
     check("q", q, np.float32, 3)
@@ -313,6 +428,10 @@ def attention(
         raise ValueError(f"q {q.shape} does not fit the cache {kcache.shape}")
     if not 1 <= tile_rows <= TILE_ROWS or tuple(qg.shape) != (nq, q_heads * 2 * head_dim):
         raise ValueError(f"tile_rows {tile_rows} / qg {qg.shape} unsupported")
+    if tile_rows == 1 and (head_dim % 8 or not 1 <= split_rows <= MAX_DECODE_SPLIT_ROWS or not (
+            kcache.is_c_contiguous() and vcache.is_c_contiguous())):
+        raise ValueError(f"decode needs head_dim % 8 == 0 (got {head_dim}), split_rows in [1, "
+                         f"{MAX_DECODE_SPLIT_ROWS}] (got {split_rows}) and C-contiguous caches")
     out = empty((nq, q_heads * head_dim), np.uint16, stream) if out is None else out
     if not nq:
         return out
@@ -321,9 +440,11 @@ def attention(
     l_sum = empty((nq, q_heads, splits), np.float32, stream)
     o = empty((nq, q_heads, splits, head_dim), np.float32, stream)
     if tile_rows == 1:
-        kv_heads = kcache.shape[2]
-        kernel = _decode_kernel(q_heads // kv_heads, (head_dim + WARP - 1) // WARP)
-        kernel[(nq, kv_heads, splits), THREADS, stream](q, q_slot, q_pos, kcache, vcache, split_rows, m, l_sum, o)
+        slots, capacity, kv_heads, _ = kcache.shape
+        k32 = kcache.reshape(kcache.size).view(WORD)
+        v32 = vcache.reshape(vcache.size).view(WORD)
+        kernel = _decode_kernel(q_heads // kv_heads, head_dim // 8, split_rows)
+        kernel[(nq, kv_heads, splits), THREADS, stream](q, q_slot, q_pos, k32, v32, capacity, kv_heads, m, l_sum, o)
     else:
         tiles = (nq + tile_rows - 1) // tile_rows
         _partial_kernel[(tiles, q_heads, splits), THREADS, stream](

@@ -180,13 +180,14 @@ class NumbaCudaBackend:
         c = self.config
         decode = at is None
         mm = gemv if decode else self.gemm.matmul
+        norm_threads = norms.NORM_THREADS if decode else norms.PREFILL_NORM_THREADS
         x = elementwise.embed(ids, self.w.embed, stream=stream)
         delta = None
         lin = full = 0
         last = c.num_hidden_layers - 1
         for i, kind in enumerate(c.layer_types):
             w = self.w.layers[i]
-            h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta, stream=stream)
+            h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta, stream=stream, threads=norm_threads)
             first = first_tail if i == last else 0
             if kind == FULL:
                 y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream)
@@ -198,14 +199,14 @@ class NumbaCudaBackend:
                 return None
             if first:
                 x = x[first:]
-            h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y, stream=stream)
+            h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y, stream=stream, threads=norm_threads)
             delta = mm(elementwise.swiglu(mm(h, w["gate_up"], stream=stream), stream=stream), w["down"],
                        stream=stream)
         if not want_logits:
             return None
         if not decode:
             x, delta = x[x.shape[0] - 1 :], delta[delta.shape[0] - 1 :]
-        h = norms.add_rms_norm(x, self.w.norm, c.rms_norm_eps, delta=delta, stream=stream)
+        h = norms.add_rms_norm(x, self.w.norm, c.rms_norm_eps, delta=delta, stream=stream, threads=norm_threads)
         return gemv(h, self.w.lm_head, stream=stream)
 
     # Backend protocol -----------------------------------------------------------------

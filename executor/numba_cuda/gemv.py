@@ -36,10 +36,12 @@ if IS_SIMULATOR:
         """The four uint32 words array[i : i + 4] (one 16-byte load on the GPU)."""
         return array[i], array[i + 1], array[i + 2], array[i + 3]
 
-    def _lo(word):
+    def bf16_lo(word):
+        """The float32 value of the low bf16 half of a uint32 word."""
         return np.uint32(np.uint32(word) << np.uint32(16)).view(np.float32)
 
-    def _hi(word):
+    def bf16_hi(word):
+        """The float32 value of the high bf16 half of a uint32 word."""
         return np.uint32(np.uint32(word) & np.uint32(0xFFFF0000)).view(np.float32)
 
 else:
@@ -72,11 +74,13 @@ else:
         return sig, codegen
 
     @cuda.jit(device=True, inline=True)
-    def _lo(word):
+    def bf16_lo(word):
+        """The float32 value of the low bf16 half of a uint32 word."""
         return libdevice.int_as_float(np.int32(word << np.uint32(16)))
 
     @cuda.jit(device=True, inline=True)
-    def _hi(word):
+    def bf16_hi(word):
+        """The float32 value of the high bf16 half of a uint32 word."""
         return libdevice.int_as_float(np.int32(word & np.uint32(0xFFFF0000)))
 
 
@@ -93,14 +97,14 @@ def load8x2(array, i):
 @cuda.jit(device=True, inline=True)
 def _dot8(w, x, acc):
     """acc advanced by the eight bf16 products of two 16-byte chunks, in ascending k."""
-    acc = cuda.fma(_lo(w[0]), _lo(x[0]), acc)
-    acc = cuda.fma(_hi(w[0]), _hi(x[0]), acc)
-    acc = cuda.fma(_lo(w[1]), _lo(x[1]), acc)
-    acc = cuda.fma(_hi(w[1]), _hi(x[1]), acc)
-    acc = cuda.fma(_lo(w[2]), _lo(x[2]), acc)
-    acc = cuda.fma(_hi(w[2]), _hi(x[2]), acc)
-    acc = cuda.fma(_lo(w[3]), _lo(x[3]), acc)
-    return cuda.fma(_hi(w[3]), _hi(x[3]), acc)
+    acc = cuda.fma(bf16_lo(w[0]), bf16_lo(x[0]), acc)
+    acc = cuda.fma(bf16_hi(w[0]), bf16_hi(x[0]), acc)
+    acc = cuda.fma(bf16_lo(w[1]), bf16_lo(x[1]), acc)
+    acc = cuda.fma(bf16_hi(w[1]), bf16_hi(x[1]), acc)
+    acc = cuda.fma(bf16_lo(w[2]), bf16_lo(x[2]), acc)
+    acc = cuda.fma(bf16_hi(w[2]), bf16_hi(x[2]), acc)
+    acc = cuda.fma(bf16_lo(w[3]), bf16_lo(x[3]), acc)
+    return cuda.fma(bf16_hi(w[3]), bf16_hi(x[3]), acc)
 
 
 def _make_kernel(group_rows: int, load16):
@@ -179,8 +183,12 @@ def _vector_loads_lower() -> bool:
 
 VECTOR_LOADS = _vector_loads_lower()
 """True when the GEMV reads with 16-byte loads, False on the 2 x 8-byte fallback."""
-_WORD = np.uint32 if VECTOR_LOADS else np.uint64
-_KERNELS = {g: _make_kernel(g, load16 if VECTOR_LOADS else load8x2) for g in _GROUPS}
+WORD = np.uint32 if VECTOR_LOADS else np.uint64
+"""The dtype `vector_load` indexes: a uint32 view (16-byte loads) or a uint64 one (the fallback)."""
+vector_load = load16 if VECTOR_LOADS else load8x2
+"""The 16-byte read this numba-cuda lowers: four uint32 words at a uint32 index of a 1-D
+`WORD` view (`load16`, or the bit-identical `load8x2`)."""
+_KERNELS = {g: _make_kernel(g, vector_load) for g in _GROUPS}
 
 
 def group_rows_for(rows: int) -> int:
@@ -210,8 +218,8 @@ def gemv(x, weight, out=None, stream=0):
     out = empty((rows, n), np.float32, stream) if out is None else out
     if rows and n:
         group = group_rows_for(rows)
-        x32 = x.reshape(rows * k).view(_WORD)
-        w32 = weight.reshape(n * k).view(_WORD)
+        x32 = x.reshape(rows * k).view(WORD)
+        w32 = weight.reshape(n * k).view(WORD)
         grid = ((n + WARPS - 1) // WARPS, (rows + group - 1) // group)
         _KERNELS[group][grid, THREADS, stream](x32, w32, k // CHUNK, out)
     return out

@@ -8,6 +8,7 @@ shared-memory reductions, so a row's bits never depend on the other rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -19,73 +20,81 @@ from executor.numba_cuda.launch import fast
 _F32 = np.float32
 
 
-@cuda.jit(device=True)
-def block_sum(buf, value):
-    """Sum `value` over the block's THREADS threads (fixed tree order); all get the sum."""
-    t = cuda.threadIdx.x
-    buf[t] = value
-    cuda.syncthreads()
-    step = THREADS // 2
-    while step > 0:
-        if t < step:
-            buf[t] += buf[t + step]
+@functools.cache
+def tree_sum(threads: int):
+    """A device function sum(buf, value): `value` summed over a block of `threads` threads in
+    a fixed tree order (buf: shared f32 [threads]); every thread gets the sum."""
+
+    @cuda.jit(device=True)
+    def block_sum(buf, value):
+        t = cuda.threadIdx.x
+        buf[t] = value
         cuda.syncthreads()
-        step //= 2
-    total = buf[0]
-    cuda.syncthreads()
-    return total
+        step = threads // 2
+        while step > 0:
+            if t < step:
+                buf[t] += buf[t + step]
+            cuda.syncthreads()
+            step //= 2
+        total = buf[0]
+        cuda.syncthreads()
+        return total
+
+    return block_sum
+
+
+block_sum = tree_sum(THREADS)
+"""Sum a value over the block's THREADS threads (fixed tree order); all get the sum."""
 
 
 NORM_THREADS = 1024
-"""Threads per row of `add_rms_norm`: a decode row is one block, so the row's loads must
-all be in flight at once (a hidden row of 5120 is 5 loads per thread)."""
+"""Threads per row of `add_rms_norm` in decode: a decode row is one block, so the row's
+loads must all be in flight at once (a hidden row of 5120 is 5 loads per thread)."""
+PREFILL_NORM_THREADS = 256
+"""Threads per row of `add_rms_norm` in prefill, whatever the chunk's row count (a row's
+bits depend on this count, so it must not follow the rows): thousands of rows fill the GPU
+anyway, and a 1024-thread block spends its time in the ten-level reduction tree."""
 
 
-@cuda.jit(device=True)
-def _wide_sum(buf, value):
-    """Sum `value` over the block's NORM_THREADS threads (fixed tree order); all get the sum."""
-    t = cuda.threadIdx.x
-    buf[t] = value
-    cuda.syncthreads()
-    step = NORM_THREADS // 2
-    while step > 0:
-        if t < step:
-            buf[t] += buf[t + step]
-        cuda.syncthreads()
-        step //= 2
-    total = buf[0]
-    cuda.syncthreads()
-    return total
+@functools.cache
+def _add_rms_norm_kernel_for(threads: int):
+    """The fused residual add + RMSNorm with `threads` threads per row (a fixed-order
+    shared-memory tree over them)."""
+
+    wide_sum = tree_sum(threads)
+
+    @fast
+    @cuda.jit
+    def _add_rms_norm_kernel(x, delta, has_delta, weight, eps, out):
+        # x: [rows, dim] f32 (updated in place when has_delta); delta: [rows, dim] f32
+        # weight: [dim] f32; out: [rows, dim] bf16; `threads` threads per row
+        row = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        dim = x.shape[1]
+        buf = cuda.shared.array(threads, np.float32)
+        ssq = _F32(0.0)
+        for i in range(t, dim, threads):
+            v = x[row, i]
+            if has_delta:
+                v = v + delta[row, i]
+                x[row, i] = v
+            ssq += v * v
+        total = wide_sum(buf, ssq)
+        inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
+        for i in range(t, dim, threads):
+            normed = x[row, i] * inv
+            out[row, i] = f32_to_bf16(normed * (_F32(1.0) + weight[i]))
+
+    return _add_rms_norm_kernel
 
 
-@fast
-@cuda.jit
-def _add_rms_norm_kernel(x, delta, has_delta, weight, eps, out):
-    # x: [rows, dim] f32 (updated in place when has_delta); delta: [rows, dim] f32
-    # weight: [dim] f32; out: [rows, dim] bf16; NORM_THREADS threads per row
-    row = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    dim = x.shape[1]
-    buf = cuda.shared.array(NORM_THREADS, np.float32)
-    ssq = _F32(0.0)
-    for i in range(t, dim, NORM_THREADS):
-        v = x[row, i]
-        if has_delta:
-            v = v + delta[row, i]
-            x[row, i] = v
-        ssq += v * v
-    total = _wide_sum(buf, ssq)
-    inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
-    for i in range(t, dim, NORM_THREADS):
-        normed = x[row, i] * inv
-        out[row, i] = f32_to_bf16(normed * (_F32(1.0) + weight[i]))
-
-
-def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0):
+def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads: int = NORM_THREADS):
     """x += delta (when given, in place), then out = bf16(rms_norm(x, weight, eps)).
 
     x: f32 device [rows, dim] (rows may be a row slice); delta: f32 [rows, dim] or None;
-    weight: f32 [dim]; returns out: uint16 (bf16 bits) [rows, dim].
+    weight: f32 [dim]; threads: per row, a power of two up to 1024 (NORM_THREADS for decode,
+    PREFILL_NORM_THREADS for prefill: a row's bits depend on it, never on the rows);
+    returns out: uint16 (bf16 bits) [rows, dim].
     Twin: ops.rms_norm(x + delta, weight, eps).
     """
     check("x", x, np.float32, 2)
@@ -93,6 +102,8 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0):
     rows, dim = x.shape
     if weight.shape[0] != dim:
         raise ValueError(f"weight has {weight.shape[0]} entries, x has {dim} columns")
+    if threads not in (32, 64, 128, 256, 512, 1024):
+        raise ValueError(f"threads must be a power of two in [32, 1024], got {threads}")
     if delta is not None:
         check("delta", delta, np.float32, 2)
         if tuple(delta.shape) != tuple(x.shape):
@@ -100,7 +111,8 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0):
     out = empty((rows, dim), np.uint16, stream) if out is None else out
     if rows:
         has = 1 if delta is not None else 0
-        _add_rms_norm_kernel[rows, NORM_THREADS, stream](x, x if delta is None else delta, has, weight, eps, out)
+        _add_rms_norm_kernel_for(threads)[rows, threads, stream](x, x if delta is None else delta, has, weight, eps,
+                                                                out)
     return out
 
 

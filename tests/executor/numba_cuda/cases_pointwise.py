@@ -27,15 +27,17 @@ def test_embed(rows):
     np.testing.assert_array_equal(out, ops.embed(ids, as_f32(table)))
 
 
+@pytest.mark.parametrize("threads", [norms.NORM_THREADS, norms.PREFILL_NORM_THREADS], ids=["decode", "prefill"])
 @pytest.mark.parametrize("with_delta", [False, True], ids=["plain", "residual"])
-def test_add_rms_norm(with_delta):
+def test_add_rms_norm(with_delta, threads):
     r = rng()
     x = r.normal(size=(3, 200)).astype(np.float32)
     delta = r.normal(size=(3, 200)).astype(np.float32)
     weight = r.normal(0, 0.1, 200).astype(np.float32)
     dx = to_device(x)
     with poisoned():
-        out = host(norms.add_rms_norm(dx, to_device(weight), 1e-6, delta=to_device(delta) if with_delta else None))
+        out = host(norms.add_rms_norm(dx, to_device(weight), 1e-6, delta=to_device(delta) if with_delta else None,
+                                      threads=threads))
     summed = x + delta if with_delta else x
     np.testing.assert_array_equal(dx.copy_to_host(), summed)
     assert_close("add_rms_norm", ops.rms_norm(summed, weight, 1e-6), as_f32(out), BF16_TOL, rel=True)
