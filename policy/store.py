@@ -251,7 +251,7 @@ class Store:
             self._live += 1
             if parent is not None:
                 self._refresh(parent)
-        self._refresh(entry)  # a revived ghost ends the ghost chains of the states below it
+        self._refresh(entry, revived=found is not None)  # a revived ghost ends the ghost chains below it
         self.bytes_peak = max(self.bytes_peak, self.bytes_used)
         return KeepResult(entry, tuple(evicted), "kept")
 
@@ -280,11 +280,17 @@ class Store:
             out.insert(0, Eviction(entry, EvictKind.GHOST, self._fixed))
         return tuple(out)
 
-    def _refresh(self, node: Entry) -> None:
+    def _refresh(self, node: Entry, revived: bool = False) -> None:
         """Re-rank `node` and every live entry whose freed bytes run through it: the
         entries below it reached through ghosts (a leaf's eviction also frees the ghosts
-        above it that have no other child)."""
+        above it that have no other child). A state's freed bytes walk up through ghosts
+        only, so below a live `node` nothing changes unless it was a ghost until now
+        (`revived`: the chains that ran through it end there): the states kept under one
+        live prefix (a system prompt's hundreds of first turns) are not re-ranked on every
+        keep beside them."""
         self._rank(node)
+        if node.live and not revived:
+            return
         stack = list(node.kids)
         while stack:
             kid = stack.pop()

@@ -289,3 +289,23 @@ def test_eviction_order_after_a_ghost_loses_a_child():
     assert store.score(a, 0.0) < store.score(c, 0.0)
     result = keep(store, Prompt.synthetic([(7, 10)]), 10, value_s=100.0, logits=True)
     assert [(e.entry, e.kind) for e in result.evicted] == [(a, FREED), (g, FREED)] and c.live
+
+
+def test_a_keep_beside_many_siblings_under_a_live_prefix_ranks_only_itself_and_its_parent(monkeypatch):
+    # 40 first turns kept under one live system prompt: the freed bytes of a state walk up
+    # through ghosts only, so a new sibling changes no other sibling's rank. The store used
+    # to re-rank every sibling on each keep (2 ms a keep with 400 of them).
+    store = make_store(facts=BackendFacts(64))
+    system = Prompt.synthetic([(1, 512), (0, 100)])
+    parent = keep(store, system, 512).entry
+    for i in range(39):
+        keep(store, Prompt.synthetic([(1, 512), (100 + i, 100)]), 576)
+    ranked = []
+    real_rank = Store._rank
+    monkeypatch.setattr(Store, "_rank", lambda self, entry: (ranked.append(entry), real_rank(self, entry)))
+    new = keep(store, Prompt.synthetic([(1, 512), (999, 100)]), 576).entry
+    assert new.parent is parent and parent.children == 40
+    assert set(ranked) == {parent, new}
+    store.evict(parent)  # now a ghost: every child's freed bytes run through it again
+    assert len(ranked) > 40
+    store.check()
