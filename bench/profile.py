@@ -10,8 +10,18 @@ and detokenized (executor.stops.TextStream with the real Qwen3.5 vocabulary, as 
 payloads.snapshot / restore. The device is synchronised before and after each timed call. A
 state at a context comes from a real prefill on the reference backend, and on the GPU from
 random K/V rows and recurrent states (bench/decode_prefill.py's `_fresh_states`: attention and
-the delta rule cost the same whatever the values). Noise is ironed out by making each table
-non-decreasing along both axes (more rows, lanes or context never cost less).
+the delta rule cost the same whatever the values). After the warm-up the collector's objects
+are frozen (`gc.freeze`), as `executor.serve` does after start-up: a collection inside a
+short, host-bound chunk made it bimodal (2B: 12 or 19 ms), and the running maximum that
+makes each table non-decreasing along both axes (more rows, lanes or context never cost
+less) carried the slow mode to every larger point.
+
+Then, in the same process (host speed differs between machines), the serving loop's own host
+seconds per step, which those calls leave out (bench/host_cost.py): `executor.runtime.Runtime`
+served as the engine process serves it, with a trace, on a backend whose calls cost nothing,
+at 1 to 16 decoding lanes and with prefill chunks; written as the profile's `cost.host`
+(`step_s` per step, `lane_s` per decode lane, `chunk_s` per prefill chunk; seconds), which the
+simulator adds to every step. `--no-host` leaves them out.
 
 Usage (GPU; all presets in one process so kernels compile once):
     python -m bench.profile --presets qwen3.5-2b,qwen3.5-9b,qwen3.5-27b --out sim/profiles
@@ -38,6 +48,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from bench.host_cost import HostGrid, HostMeasured, measure_host
 from executor import payloads
 from executor.backend import Backend
 from executor.config import FULL
@@ -66,6 +77,7 @@ class ProfileGrid:
       keep and restore point (median); one only when the first run takes over point_budget_s.
     decode_rounds: timed rounds per decode point (median), after one untimed round.
     tail_rows: PolicyConfig.tail_rows (rule 8). seed: random token ids and states.
+    host: what bench/host_cost.py runs for the host terms, or None to leave them out.
     """
 
     prefill_rows: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -76,6 +88,7 @@ class ProfileGrid:
     decode_rounds: int = 4
     tail_rows: int = 128
     seed: int = 0
+    host: HostGrid | None = HostGrid()
 
     def __attrs_post_init__(self) -> None:
         for name in ("prefill_rows", "contexts", "lanes"):
@@ -89,15 +102,15 @@ class ProfileGrid:
 
 
 GRIDS = {
-    "full": ProfileGrid(),
+    "full": ProfileGrid(repeat=5),
     "quick": ProfileGrid(prefill_rows=(1, 64, 256, 1024, 4096), contexts=(0, 4096, 16384, 32768), lanes=(1, 4, 16),
                          repeat=2),
     "tiny": ProfileGrid(prefill_rows=(1, 16, 64, 256), contexts=(0, 64, 256), lanes=(1, 2, 4), repeat=3,
                         point_budget_s=10.0, decode_rounds=3),
 }
-"""`full`: the H200 presets (9 x 5 prefill, 5 x 5 decode points; cost is about linear in context
-between them). `quick`: under half the points, for when GPU time is short. `tiny`: the reference
-backend in tests (seconds)."""
+"""`full`: the H200 presets (9 x 5 prefill, 5 x 5 decode points, median of 5; cost is about
+linear in context between them). `quick`: under half the points, for when GPU time is short.
+`tiny`: the reference backend in tests (seconds)."""
 
 
 @attrs.define(eq=False)
@@ -126,7 +139,8 @@ class Rig:
 @attrs.frozen(kw_only=True)
 class Measured:
     """Seconds measured on a grid: prefill[i][j] at (prefill_rows[i], contexts[j]), decode[i][j]
-    at (lanes[i], contexts[j]); keep[j] / restore[j] at state_bytes[j] (the state at contexts[j])."""
+    at (lanes[i], contexts[j]); keep[j] / restore[j] at state_bytes[j] (the state at contexts[j]);
+    host: the serving loop's host seconds (bench/host_cost.py), None when not measured."""
 
     grid: ProfileGrid
     prefill: tuple[tuple[float, ...], ...]
@@ -135,6 +149,7 @@ class Measured:
     keep: tuple[float, ...]
     restore: tuple[float, ...]
     wall_s: float
+    host: HostMeasured | None = None
 
 
 def prefill_kwargs(backend: Backend, start: int, end: int, tail_rows: int) -> dict[str, Any]:
@@ -179,7 +194,8 @@ def _repeat(rig: Rig, grid: ProfileGrid, setup: Callable[[], Any], run: Callable
 
 
 def measure(rig: Rig, grid: ProfileGrid, log: Callable[[str], None] = print) -> Measured:
-    """Time every grid point on `rig` (see the module docstring)."""
+    """Time every grid point on `rig`, then the host terms on this host when grid.host is set
+    (see the module docstring)."""
     t_start = time.perf_counter()
     backend, config = rig.backend, rig.backend.config
     greedy = SamplingParams()
@@ -201,6 +217,8 @@ def measure(rig: Rig, grid: ProfileGrid, log: Callable[[str], None] = print) -> 
     for rows in grid.prefill_rows:  # compile kernels and pick GEMM algorithms per row count
         prefill_at(0, rows, repeat=1)
     log(f"  warm-up done ({time.perf_counter() - t_start:.1f} s)")
+    gc.collect()
+    gc.freeze()  # as executor.serve after start-up: weights, kernels and tokenizer leave the collector's scans
     prefill = []
     for rows in grid.prefill_rows:
         prefill.append(tuple(prefill_at(ctx, rows) for ctx in grid.contexts))
@@ -236,8 +254,13 @@ def measure(rig: Rig, grid: ProfileGrid, log: Callable[[str], None] = print) -> 
         sizes.append(nbytes)
     log("  keep / restore: " + ", ".join(f"{b / 2**20:.1f} MiB {k * 1e3:.2f} / {r * 1e3:.2f} ms"
                                            for b, k, r in zip(sizes, keep, restore)))
+    host = None
+    if grid.host is not None:
+        host = measure_host(config, grid.host, tokenizer)
+        log(host.summary())
+    gc.unfreeze()
     return Measured(grid=grid, prefill=tuple(prefill), decode=tuple(decode), state_bytes=tuple(sizes),
-                    keep=tuple(keep), restore=tuple(restore), wall_s=time.perf_counter() - t_start)
+                    keep=tuple(keep), restore=tuple(restore), wall_s=time.perf_counter() - t_start, host=host)
 
 
 def _keep_and_restore(rig: Rig, grid: ProfileGrid, ctx: int) -> tuple[float, float, int]:
@@ -265,15 +288,20 @@ def to_profile(m: Measured, rig: Rig, name: str, command: str) -> Profile:
         copy_bytes_per_s=copy_bps,
         keep=Curve(x=tuple(map(float, m.state_bytes)), seconds=keep),
         restore=Curve(x=tuple(map(float, m.state_bytes)), seconds=restore),
+        host=None if m.host is None else m.host.cost,
     )
     notes = (f"measured by bench/profile.py on the {rig.label} backend ({rig.device}), {rig.model} "
              f"{'random weights' if rig.label == 'numba_cuda' else 'weights'}; decode {rig.decode_mode}; wall-clock "
              f"seconds of the stepper's calls (prefill with tail + logits to host + first token; decode round "
              f"+ each lane's token; payload snapshot / restore), median of up to {g.repeat} runs "
-             f"({g.decode_rounds} rounds for decode), tables made non-decreasing")
+             f"({g.decode_rounds} rounds for decode), tables made non-decreasing"
+             + ("" if m.host is None else "; host: the serving loop's own seconds per step, decode lane and "
+                                         "prefill chunk on a backend that costs nothing (bench/host_cost.py)"))
     provenance = (("backend", rig.label), ("command", command), ("commit", git_commit()),
                   ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
                   ("decode", rig.decode_mode), ("wall_s", f"{m.wall_s:.1f}"))
+    if m.host is not None:
+        provenance += (("host", m.host.record()),)
     return Profile(name=name, source="measured", gpu=rig.device, model=rig.model, shape=rig.backend.config.shape,
                    invariant_rows=getattr(rig.backend, "invariant_rows", None), cost=cost, notes=notes,
                    provenance=provenance)
@@ -291,6 +319,9 @@ def table(profile: Profile) -> str:
     assert c.keep is not None and c.restore is not None
     lines.append("keep / restore: " + ", ".join(f"{b / 2**20:.1f} MiB {k * 1e3:.2f} / {r * 1e3:.2f} ms"
                                                for b, k, r in zip(c.keep.x, c.keep.seconds, c.restore.seconds)))
+    if c.host is not None:
+        lines.append(f"host: {c.host.step_s * 1e6:.0f} us per step + {c.host.lane_s * 1e6:.1f} us per decode lane "
+                     f"+ {c.host.chunk_s * 1e6:.0f} us per prefill chunk")
     return "\n".join(lines)
 
 
@@ -368,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--contexts", help="override the grid's contexts, e.g. 0,4096,32768")
     ap.add_argument("--lanes", help="override the grid's decode lanes, e.g. 1,4,16")
     ap.add_argument("--repeat", type=int, help="timed runs per point (default: the grid's)")
+    ap.add_argument("--host", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the serving loop's host seconds per step into cost.host (default: %(default)s)")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="decode through CUDA graphs, as the server does unless --no-decode-graphs (default: %(default)s)")
     ap.add_argument("--name", help="profile name (one model only; default: PRESET-GPU, e.g. qwen3.5-27b-h200)")
@@ -380,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            ("lanes", args.lanes)) if v}
         if args.repeat:
             changes["repeat"] = args.repeat
+        if not args.host:
+            changes["host"] = None
         grid = attrs.evolve(grid, **changes)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -3,7 +3,8 @@
 A profile (JSON, format in sim/README.md) holds a model shape and cost terms in one of two
 forms: "analytic" coefficients (derived from a model config and GPU ceilings by
 bench/make_profiles.py) or a "table" of measured points (bench/profile.py on a GPU),
-interpolated. Not here: the simulator's clock and scheduling (`sim.loop`).
+interpolated, optionally with the serving loop's own host seconds per step (`HostCost`).
+Not here: the simulator's clock and scheduling (`sim.loop`).
 """
 
 from __future__ import annotations
@@ -138,16 +139,39 @@ def _weights(axis: tuple[float, ...], v: float) -> tuple[int, int, float]:
 
 
 @attrs.frozen(kw_only=True)
+class HostCost:
+    """The serving loop's own host seconds per step, beyond the backend calls (and each token's
+    pick and detokenization) that the prefill and decode tables time: the scheduler's decide and
+    commit, the runtime's hand-off to its worker thread and back, trace lines, events to the
+    requests, the engine process's event batch over its pipe (measured by bench/host_cost.py).
+
+    step_s: seconds added to every step (a decode round, a prefill chunk, or both in one step).
+    lane_s: seconds added per decode lane (or restored lane) of a step, each round.
+    chunk_s: seconds added to a step that runs a prefill chunk (on top of step_s).
+    """
+
+    step_s: float
+    lane_s: float
+    chunk_s: float
+
+    def seconds(self, lanes: int, chunk: bool) -> float:
+        """step_s + lanes x lane_s (+ chunk_s when the step runs a chunk), in seconds."""
+        return self.step_s + lanes * self.lane_s + (self.chunk_s if chunk else 0.0)
+
+
+@attrs.frozen(kw_only=True)
 class TableCost:
     """Measured points: prefill seconds over (chunk rows, prior context rows); decode-round
     seconds over (lanes, mean context rows); keep (snapshot) and restore seconds over a kept
-    state's bytes when measured, else bytes / copy_bytes_per_s."""
+    state's bytes when measured, else bytes / copy_bytes_per_s; the serving loop's host
+    seconds per step when measured (None: none charged)."""
 
     prefill: Grid
     decode: Grid
     copy_bytes_per_s: float
     keep: Curve | None = None
     restore: Curve | None = None
+    host: HostCost | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -231,20 +255,31 @@ class Profile:
         nbytes = c.weight_bytes + keys * self._row_bytes + lanes * 2 * self._fixed_bytes
         return c.seconds(flops, nbytes) + c.round_overhead_s
 
+    def host_s(self, lanes: int, chunk: bool) -> float:
+        """The serving loop's host seconds of one step (round) with `lanes` decode lanes and,
+        when `chunk`, a prefill chunk: `HostCost.seconds` of a table profile that has host
+        terms, else 0.0 (analytic profiles fold fixed costs into their overheads)."""
+        c = self.cost
+        if isinstance(c, TableCost) and c.host is not None:
+            return c.host.seconds(lanes, chunk)
+        return 0.0
+
     def decode_span(self, lanes: int, total_context: int, max_rounds: int, t0: float,
                     horizon: float | None) -> tuple[int, float]:
         """Run up to `max_rounds` decode rounds from time t0 (s); stop after the round that
         ends at or past `horizon`. Returns (rounds, end time).
 
-        Each round adds `decode_round_total_s(lanes, total)` to the clock, total growing by
-        `lanes` per round, with the same floating-point operations in the same order, so the
-        end time has the bits of committing the rounds one by one.
+        Each round adds `decode_round_total_s(lanes, total) + host_s(lanes, False)` to the
+        clock, total growing by `lanes` per round, with the same floating-point operations in
+        the same order as `sim.loop` costs one round, so the end time has the bits of
+        committing the rounds one by one.
         """
         c = self.cost
         t, rounds, total = t0, 0, total_context
+        host = self.host_s(lanes, False) if lanes else 0.0
         if isinstance(c, TableCost) or lanes == 0:
             while rounds < max_rounds:
-                t += self.decode_round_total_s(lanes, total)
+                t += self.decode_round_total_s(lanes, total) + host
                 rounds += 1
                 if horizon is not None and t >= horizon:
                     break
@@ -261,7 +296,7 @@ class Profile:
             keys = total + lanes
             a = (lane_flops + pair * keys) / peak
             b = (weights + keys * row_bytes + fixed) / bw
-            t += (max(b, a)) + overhead
+            t += (max(b, a)) + overhead + host
             rounds += 1
             if t >= stop:
                 break
@@ -308,11 +343,12 @@ def _cost_from_dict(obj: Any) -> AnalyticCost | TableCost:
         _number(obj, "matrix_efficiency", where, hi=1.0, open_lo=True)
         return AnalyticCost(**values)
     if form == "table":
-        _keys(obj, where, ["form", "prefill", "decode", "copy_bytes_per_s"], ["keep", "restore"])
+        _keys(obj, where, ["form", "prefill", "decode", "copy_bytes_per_s"], ["keep", "restore", "host"])
         curves = {k: _curve(obj[k], f"cost.{k}.") for k in ("keep", "restore") if k in obj}
+        host = _host(obj["host"], "cost.host.") if "host" in obj else None
         return TableCost(prefill=_grid(obj["prefill"], "cost.prefill.", "rows", "context"),
                          decode=_grid(obj["decode"], "cost.decode.", "lanes", "context"),
-                         copy_bytes_per_s=_number(obj, "copy_bytes_per_s", where, open_lo=True), **curves)
+                         copy_bytes_per_s=_number(obj, "copy_bytes_per_s", where, open_lo=True), host=host, **curves)
     raise ValueError(f"cost.form: must be \"analytic\" or \"table\", got {form!r}")
 
 
@@ -323,6 +359,16 @@ def _axis(obj: dict[str, Any], where: str, name: str) -> tuple[float, ...]:
         raise ValueError(f"{where}{name}: must be a non-empty, strictly ascending list of numbers >= 0, "
                          f"got {axis!r}")
     return tuple(float(v) for v in axis)
+
+
+HOST_MAX_S = 1.0
+"""Largest host seconds per step, lane or chunk a profile may hold (a bigger one is a unit slip)."""
+
+
+def _host(obj: Any, where: str) -> HostCost:
+    names = [a.name for a in attrs.fields(HostCost)]
+    _keys(obj, where, names)
+    return HostCost(**{n: float(_number(obj, n, where, hi=HOST_MAX_S)) for n in names})
 
 
 def _curve(obj: Any, where: str) -> Curve:
@@ -391,6 +437,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         for key, curve in (("keep", c.keep), ("restore", c.restore)):
             if curve is not None:
                 cost[key] = {"bytes": list(curve.x), "seconds": list(curve.seconds)}
+        if c.host is not None:
+            cost["host"] = attrs.asdict(c.host)
     out = {"name": profile.name, "source": profile.source, "gpu": profile.gpu, "model": profile.model,
            "invariant_rows": profile.invariant_rows, "shape": attrs.asdict(profile.shape), "cost": cost,
            "notes": profile.notes}

@@ -162,6 +162,9 @@ class Simulation:
         self._clock.push(end, _STEP_DONE, step)
 
     def _step_s(self, step: Step) -> float:
+        """Seconds of one step: its decode round, its chunk (with the restore its pass resumes
+        from and the keep it makes), its restored lanes, then the serving loop's host seconds
+        (`Profile.host_s`; a decode-only step sums as `Profile.decode_span` does a round)."""
         p = self.profile
         t = p.decode_round_s(len(step.decode), step.contexts) if step.decode else 0.0
         if step.prefill is not None:
@@ -173,7 +176,7 @@ class Simulation:
                 t += p.keep_s(state_bytes(p.shape, run.keep.row))
         for _, entry in step.restores:
             t += p.restore_s(state_bytes(p.shape, entry.row))
-        return t
+        return t + p.host_s(len(step.decode) + len(step.restores), step.prefill is not None)
 
     def _decode_span(self, step: Step, now: float) -> tuple[Step, float]:
         """Rounds until a lane finishes or the round in flight at the next event ends.

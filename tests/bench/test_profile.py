@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 import pytest
 
+from bench.host_cost import HostMeasured
 from bench.profile import (
     ProfileGrid,
     Rig,
@@ -20,11 +21,12 @@ from bench.profile import (
     measure,
     monotone,
     prefill_kwargs,
+    table,
     to_profile,
 )
 from executor.model import tiny_config
 from policy.shape import state_bytes
-from sim.cost import TableCost, load_profile
+from sim.cost import HostCost, TableCost, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = tiny_config()
@@ -86,7 +88,8 @@ def fake_rig() -> tuple[Rig, FakeBackend]:
 
 
 def test_measure_times_every_point_as_the_stepper_calls_it():
-    grid = ProfileGrid(prefill_rows=(1, 100, 300), contexts=(0, 1000), lanes=(1, 3), repeat=3, decode_rounds=2)
+    grid = ProfileGrid(prefill_rows=(1, 100, 300), contexts=(0, 1000), lanes=(1, 3), repeat=3, decode_rounds=2,
+                       host=None)
     rig, backend = fake_rig()
     m = measure(rig, grid, log=lambda _: None)
     for i, rows in enumerate(grid.prefill_rows):
@@ -114,6 +117,16 @@ def test_measure_times_every_point_as_the_stepper_calls_it():
     assert profile.keep_s(state_bytes(CONFIG.shape, 500)) == pytest.approx(1e-4 + 1e-9 * CONFIG.state_bytes(500))
     assert profile.restore_s(CONFIG.state_bytes(1000)) == pytest.approx(m.restore[1])
     assert dict(profile.provenance)["command"] == "python -m bench.profile --test"
+    assert m.host is None and profile.cost.host is None and "host" not in dict(profile.provenance)
+
+    host = HostMeasured(lanes=(1, 2), round_s=(3.2e-4, 3.4e-4), chunk_s=9e-4, chunk_token_share=0.5, mixed_lanes=2,
+                        mixed_s=1.3e-3, token_s=1e-5, wake_s=2e-4, wall_s=1.0)
+    with_host = to_profile(attrs.evolve(m, host=host), rig, "fake-profile", "python -m bench.profile --test")
+    assert with_host.cost.host == HostCost(step_s=pytest.approx(3e-4), lane_s=pytest.approx(1e-5),
+                                           chunk_s=pytest.approx(9e-4 - 3e-4 - 0.5e-5))
+    assert dict(with_host.provenance)["host"] == host.record()
+    assert with_host.prefill_s(100, 1000) == profile.prefill_s(100, 1000)
+    assert "host: 300 us per step + 10.0 us per decode lane + 595 us per prefill chunk" in table(with_host)
 
 
 def test_prefill_kwargs_follow_the_tail_rule():
@@ -160,12 +173,25 @@ def test_tiny_reference_profile_runs_the_simulator(tmp_path, capsys):
     assert c.keep is not None and c.keep.x == (CONFIG.state_bytes(0), CONFIG.state_bytes(64))
     for table in (c.prefill.seconds, c.decode.seconds):
         assert all(v > 0 for row in table for v in row) and monotone(table) == table
-    assert {"backend", "command", "commit", "date", "decode"} <= dict(p.provenance).keys()
-    assert json.loads(path.read_text())["cost"]["form"] == "table"
+    assert {"backend", "command", "commit", "date", "decode", "host"} <= dict(p.provenance).keys()
+    cost = json.loads(path.read_text())["cost"]
+    assert cost["form"] == "table" and set(cost["host"]) == {"step_s", "lane_s", "chunk_s"}
+    # the serving loop's own seconds on this host: a step costs something, none of it is a unit slip
+    assert c.host is not None and 1e-6 < c.host.step_s < 0.05
+    assert 0 <= c.host.lane_s < 0.01 and 0 <= c.host.chunk_s < 0.05
+    assert "host:" in out and "us per decode lane" in out
     run = subprocess.run([sys.executable, "-m", "sim", "run", "--profile", str(path), "--workload", "chat"],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "profile tiny-qwen3_5-v1-reference (measured)" in run.stdout and "requests" in run.stdout
+
+
+def test_no_host_leaves_the_host_terms_out(tmp_path, capsys):
+    code = main(["--backend", "reference", "--out", str(tmp_path), "--rows", "1,16", "--contexts", "0",
+                 "--lanes", "1", "--repeat", "1", "--no-host"])
+    assert code == 0, capsys.readouterr().out
+    p = load_profile(tmp_path / "tiny-qwen3_5-v1-reference.json")
+    assert p.cost.host is None and p.host_s(4, True) == 0.0 and "host" not in dict(p.provenance)
 
 
 def test_cli_errors_name_the_flag(capsys):

@@ -19,6 +19,7 @@ from sim.api import simulate
 from sim.cost import (
     DEFAULT_PROFILE,
     AnalyticCost,
+    HostCost,
     Profile,
     TableCost,
     list_profiles,
@@ -40,12 +41,17 @@ TINY = Profile(name="tiny", source="analytic", gpu="none", model="none", shape=T
                cost=TINY_COST)
 
 
-def table_profile() -> dict:
+HOST = {"step_s": 3e-4, "lane_s": 2e-5, "chunk_s": 5e-4}
+
+
+def table_profile(host: bool = False) -> dict:
     d = profile_to_dict(TINY)
     d.update(name="tab", source="measured", cost={
         "form": "table", "copy_bytes_per_s": 2e9,
         "prefill": {"rows": [64, 128], "context": [0, 1000], "seconds": [[1.0, 3.0], [2.0, 6.0]]},
         "decode": {"lanes": [1, 9], "context": [100], "seconds": [[0.01], [0.05]]}})
+    if host:
+        d["cost"]["host"] = dict(HOST)
     return d
 
 
@@ -170,6 +176,56 @@ def test_restores_are_charged_at_restore_s():
     assert report.ttft_s["c/1"] == pytest.approx(1.2 + 0.25)
 
 
+def test_host_terms_round_trip():
+    d = table_profile(host=True)
+    p = profile_from_dict(d)
+    assert isinstance(p.cost, TableCost) and p.cost.host == HostCost(step_s=3e-4, lane_s=2e-5, chunk_s=5e-4)
+    assert profile_to_dict(p)["cost"]["host"] == HOST
+    assert profile_from_dict(profile_to_dict(p)) == p
+    assert profile_from_dict(json.loads(json.dumps(profile_to_dict(p)))) == p
+    assert p.host_s(3, False) == pytest.approx(3e-4 + 3 * 2e-5)
+    assert p.host_s(2, True) == pytest.approx(3e-4 + 2 * 2e-5 + 5e-4)
+    assert p.host_s(0, True) == pytest.approx(8e-4)
+    # integers are read as seconds too, and zero is allowed
+    d["cost"]["host"] = {"step_s": 0, "lane_s": 0, "chunk_s": 1}
+    assert profile_from_dict(d).cost.host == HostCost(step_s=0.0, lane_s=0.0, chunk_s=1.0)
+    # the costs the tables give do not change with host terms
+    plain = profile_from_dict(table_profile())
+    assert plain.prefill_s(96, 500) == p.prefill_s(96, 500) and plain.decode_round_s(2, [5, 7]) == p.decode_round_s(2, [5, 7])
+
+
+def test_profiles_without_host_terms_charge_none():
+    plain = profile_from_dict(table_profile())
+    assert isinstance(plain.cost, TableCost) and plain.cost.host is None
+    assert "host" not in profile_to_dict(plain)["cost"]
+    assert plain.host_s(16, True) == 0.0 and TINY.host_s(16, True) == 0.0
+    for name in list_profiles():  # the shipped ones have none
+        p = load_profile(name)
+        assert p.host_s(4, True) == 0.0 and "host" not in profile_to_dict(p)["cost"]
+
+
+def _one_request(p: Profile):
+    """One request of 100 rows, message starts at 0 and 60 (chunks [0, 60) and [60, 100)), 4 tokens."""
+    turn = Turn(Prompt.synthetic([(1, 100)]), (0, 60), 4, None, (), 0.0, 0.0)
+    return simulate(Workload("one", (Conversation("c", 0.0, (turn,)),)), PolicyConfig(warm_enabled=False), p,
+                    BackendFacts(None))
+
+
+def test_host_terms_delay_the_request_by_hand():
+    base, host = table_profile(), table_profile(host=True)
+    for d in (base, host):
+        d["cost"]["keep"] = {"bytes": [0], "seconds": [0.0]}
+    plain, timed = _one_request(profile_from_dict(base)), _one_request(profile_from_dict(host))
+    # chunk [0, 60): held at the 64-row edge, context 0: 1.0 s; chunk [60, 100): 64-row edge at context 60:
+    # 1.0 + 0.06 x (3.0 - 1.0) = 1.12 s; keeps free. The first token comes with the second chunk's commit.
+    assert plain.ttft_s["c/0"] == pytest.approx(2.12, abs=1e-12)
+    # each chunk is a step of its own: + step_s + chunk_s, twice
+    assert timed.ttft_s["c/0"] == pytest.approx(2.12 + 2 * (3e-4 + 5e-4), abs=1e-12)
+    # then 3 decode rounds of 1 lane (0.01 s each): + step_s + lane_s each
+    assert plain.result.end_s == pytest.approx(2.12 + 3 * 0.01, abs=1e-12)
+    assert timed.result.end_s == pytest.approx(2.12 + 2 * 8e-4 + 3 * (0.01 + 3e-4 + 2e-5), abs=1e-12)
+
+
 def test_table_form_interpolates():
     p = profile_from_dict(table_profile())
     assert p.prefill_s(64, 0) == 1.0 and p.prefill_s(128, 1000) == 6.0
@@ -213,11 +269,19 @@ def mutate(d: dict, path: str, value: object) -> dict:
     ("table", "cost.restore", {"bytes": [10, 0], "seconds": [1.0, 2.0]}, r"^cost.restore.bytes: must be a non-empty"),
     ("table", "cost.keep", {"bytes": [0], "seconds": [1.0], "x": 1}, r"^cost.keep.x: unknown key"),
     ("table", "provenance", {"commit": 3}, r"^provenance: must be a JSON object of strings"),
+    ("host", "cost.host.step_s", -1e-6, r"^cost.host.step_s: must be a number in \[0.0, 1.0\], got -1e-06$"),
+    ("host", "cost.host.lane_s", "2e-5", r"^cost.host.lane_s: must be a number in \[0.0, 1.0\], got '2e-5'$"),
+    ("host", "cost.host.chunk_s", 300.0, r"^cost.host.chunk_s: must be a number in \[0.0, 1.0\], got 300.0$"),
+    ("host", "cost.host.lane_s", float("nan"), r"^cost.host.lane_s: must be a number"),
+    ("host", "cost.host.chunk_s", KeyError, r"^cost.host.chunk_s: missing$"),
+    ("host", "cost.host.round_s", 1e-4, r"^cost.host.round_s: unknown key; known: step_s, lane_s, chunk_s$"),
+    ("host", "cost.host", [3e-4, 2e-5, 5e-4], r"^cost.host: must be a JSON object"),
 ], ids=["efficiency", "missing", "float-bytes", "form", "unknown", "source", "grid", "shape", "shape-missing", "gpu",
         "axis-order", "row-length", "row-count", "axis-missing", "keep-length", "restore-order", "keep-unknown",
-        "provenance"])
+        "provenance", "host-negative", "host-string", "host-unit-slip", "host-nan", "host-missing", "host-unknown",
+        "host-not-object"])
 def test_profile_errors_name_the_field(base, path, value, match):
-    d = profile_to_dict(TINY) if base == "analytic" else table_profile()
+    d = profile_to_dict(TINY) if base == "analytic" else table_profile(host=base == "host")
     with pytest.raises(ValueError, match=match):
         profile_from_dict(mutate(d, path, value))
 

@@ -8,12 +8,14 @@ import json
 import random
 from pathlib import Path
 
+import attrs
 import pytest
 
 import policy.store as store_mod
 from policy.config import PolicyConfig
 from policy.scheduler import Scheduler
 from sim.api import facts_for, load_workload, simulate
+from sim.cost import Grid, HostCost, Profile, TableCost
 from sim.invariants import InvariantBroken
 from sim.scenarios import chat, grid_edges
 
@@ -51,6 +53,26 @@ def test_fast_forward_changes_no_event(small_chat, profile):
     slow, rs = _trace(small_chat, PolicyConfig(), profile, fast_forward=False)
     assert fast == slow
     assert rf.result.steps < rs.result.steps
+
+
+def _table_profile(shape, host: HostCost | None) -> Profile:
+    """A measured-form profile at `shape` whose lookups interpolate (inexact floats)."""
+    cost = TableCost(prefill=Grid(x=(1.0, 4096.0), y=(0.0, 32768.0), seconds=((0.0031, 0.0207), (0.29, 1.03))),
+                     decode=Grid(x=(1.0, 16.0), y=(0.0, 32768.0), seconds=((0.0053, 0.0071), (0.0083, 0.0217))),
+                     copy_bytes_per_s=3.3e12, host=host)
+    return Profile(name="table", source="measured", gpu="none", model="none", shape=shape, invariant_rows=None,
+                   cost=cost)
+
+
+def test_fast_forward_changes_no_event_with_host_terms(small_chat, profile):
+    host = _table_profile(profile.shape, HostCost(step_s=3.1e-4, lane_s=1.7e-5, chunk_s=4.3e-4))
+    fast, rf = _trace(small_chat, PolicyConfig(), host, fast_forward=True)
+    slow, rs = _trace(small_chat, PolicyConfig(), host, fast_forward=False)
+    assert fast == slow
+    assert rf.result.steps < rs.result.steps
+    plain, rp = _trace(small_chat, PolicyConfig(), attrs.evolve(host, cost=attrs.evolve(host.cost, host=None)))
+    assert rp.result.end_s < rf.result.end_s  # every step costs more with host terms
+    assert sum(rf.ttft_s.values()) > sum(rp.ttft_s.values())
 
 
 def test_every_request_finishes_with_a_reason(small_chat, profile):
