@@ -36,8 +36,9 @@ MAX_HEAD_DIM = 256
 _DIMS_PER_THREAD = MAX_HEAD_DIM // THREADS
 DECODE_SPLIT_ROWS = 128
 """Keys per decode split (a constant: the split count depends on the context only)."""
-MAX_DECODE_SPLIT_ROWS = 512
-"""The largest decode split (its scores live in shared memory: 4 bytes x group x split)."""
+MAX_DECODE_SPLIT_ROWS = 256
+"""The largest decode split: its scores (4 bytes x group x split) and the warps' partial outputs
+(4 bytes x 4 warps x group x head_dim) share the 48 KB of static shared memory."""
 MAX_GROUP = 8
 """Query heads per K/V head the decode kernel serves."""
 WARP = 32

@@ -83,3 +83,22 @@ def test_decode_attention_grouped_heads_any_split_grid():
         ref = _ref(q[lane : lane + 1], qg[lane : lane + 1], as_f32(kh[slot]), as_f32(vh[slot]), pos)
         assert_close(f"lane {lane}", ref, as_f32(out[lane : lane + 1]), TOL, rel=True)
     np.testing.assert_array_equal(out, _run(q, qg, slots, positions, kc, vc, 1, 16, max_pos=47))
+
+
+def test_decode_rejects_what_its_loads_cannot_serve():
+    """Decode reads 8 dimensions per 16-byte load and keeps a split's scores in shared memory:
+    a head_dim not a multiple of 8, or a split over MAX_DECODE_SPLIT_ROWS, is a ValueError
+    naming it, before any launch."""
+    import pytest
+
+    r = rng()
+    kh, vh = _cache(r, 1, 8, 1, 12)
+    q = r.normal(size=(1, 2, 12)).astype(np.float32)
+    qg = r.normal(size=(1, 2 * 2 * 12)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"head_dim % 8 == 0 \(got 12\)"):
+        _run(q, qg, [0], [3], to_device(kh), to_device(vh), 1, 4)
+    kh, vh = _cache(r, 1, 8, 1, 16)
+    q = r.normal(size=(1, 2, 16)).astype(np.float32)
+    qg = r.normal(size=(1, 2 * 2 * 16)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"split_rows in \[1, 256\] \(got 257\)"):
+        _run(q, qg, [0], [3], to_device(kh), to_device(vh), 1, attention.MAX_DECODE_SPLIT_ROWS + 1)
