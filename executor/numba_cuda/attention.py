@@ -29,6 +29,7 @@ from numba import cuda
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, check, empty, f32_to_bf16
 from executor.numba_cuda.gemv import WORD, bf16_hi, bf16_lo, vector_load
 from executor.numba_cuda.launch import fast
+from executor.numba_cuda.norms import block_sum
 
 TILE_ROWS = 8
 """Query rows per prefill tile (they share each key block's loads)."""
@@ -151,8 +152,8 @@ def _partial_kernel(q, q_slot, q_pos, tile_rows, kcache, vcache, split_rows, m_o
 
 if IS_SIMULATOR:
 
-    def _warp_sum(value, scratch):
-        """The sum of `value` over the warp's 32 lanes, in the butterfly's pairing (the
+    def _warp_tree(value, scratch, combine):
+        """`combine` of `value` over the warp's 32 lanes, in the butterfly's pairing (the
         simulator has no shuffles: a shared-memory tree, same pairs); every lane gets it."""
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
@@ -161,12 +162,20 @@ if IS_SIMULATOR:
         step = WARP // 2
         while step > 0:
             if lane < step:
-                scratch[warp, lane] += scratch[warp, lane + step]
+                scratch[warp, lane] = combine(scratch[warp, lane], scratch[warp, lane + step])
             cuda.syncthreads()
             step //= 2
-        total = scratch[warp, 0]
+        result = scratch[warp, 0]
         cuda.syncthreads()
-        return total
+        return result
+
+    def _warp_sum(value, scratch):
+        """The sum of `value` over the warp's 32 lanes; every lane gets it."""
+        return _warp_tree(value, scratch, lambda a, b: a + b)
+
+    def _warp_max(value, scratch):
+        """The max of `value` over the warp's 32 lanes; every lane gets it."""
+        return _warp_tree(value, scratch, max)
 
 else:
 
@@ -176,27 +185,6 @@ else:
         for step in (16, 8, 4, 2, 1):
             value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
         return value
-
-
-if IS_SIMULATOR:
-
-    def _warp_max(value, scratch):
-        """The max of `value` over the warp's 32 lanes (the simulator's shared-memory tree)."""
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        scratch[warp, lane] = value
-        cuda.syncthreads()
-        step = WARP // 2
-        while step > 0:
-            if lane < step:
-                scratch[warp, lane] = max(scratch[warp, lane], scratch[warp, lane + step])
-            cuda.syncthreads()
-            step //= 2
-        top = scratch[warp, 0]
-        cuda.syncthreads()
-        return top
-
-else:
 
     @cuda.jit(device=True, inline=True)
     def _warp_max(value, scratch):
@@ -362,15 +350,7 @@ def _combine_kernel(q_pos, split_rows, m_in, l_in, o_in, qg, out):
     part = _F32(0.0)
     for s in range(t, splits, THREADS):
         part += math.exp(m_in[row, head, s] - top) * l_in[row, head, s]
-    red[t] = part
-    cuda.syncthreads()
-    step = THREADS // 2
-    while step > 0:
-        if t < step:
-            red[t] += red[t + step]
-        cuda.syncthreads()
-        step //= 2
-    total = red[0]
+    total = block_sum(red, part)
     o = cuda.local.array(_DIMS_PER_THREAD, np.float32)
     x = cuda.local.array(COMBINE_IN_FLIGHT, np.float32)
     for j in range(_DIMS_PER_THREAD):
