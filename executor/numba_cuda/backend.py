@@ -3,8 +3,9 @@
 
 Numerics: weights bf16, residual stream fp32, every GEMM input bf16 and output fp32.
 Prefill GEMMs run on cuBLASLt with a pinned row-invariant algorithm at every row count;
-prefill attention on the tensor cores (attention_mm.py: pinned cuBLASLt QK^T and PV, a row's
-bits independent of its chunk and tile); the prefill delta rule in its chunked form with
+prefill attention on the tensor cores (attention_flash.py: one fused pass, mma.sync through a
+linked CUDA C++ device function; else attention_mm.py: pinned cuBLASLt QK^T and PV; a row's
+bits independent of its chunk and tile either way); the prefill delta rule in its chunked form with
 64-row sub-chunks at absolute multiples of 64 (delta_chunked.delta_chunked); decode GEMMs and
 the LM head on the row-invariant GEMV at every lane count, the decode delta rule as the
 one-row recurrence. Every other kernel computes a row independently of the chunk or lane
@@ -15,13 +16,14 @@ decode step in graphs.py.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from executor.config import FULL, Qwen35Config
-from executor.numba_cuda import (attention, attention_prep, conv, delta_chunked, delta_rule, device_weights,
+from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_rule, device_weights,
                                  elementwise, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import columns, empty, to_device
@@ -39,6 +41,12 @@ tests/executor/numba_cuda/test_gpu_backend.py::test_chunk_invariance_on_the_64_r
 every state byte the same bits) and, for the GEMMs at real Qwen3.5 shapes, by the row
 sweep of bench/gpu_kernels.py (the pinned cuBLASLt algorithms give each row the same bits
 at every row count tried, 1 to 8192)."""
+
+
+PREFILL_ATTENTION_PATHS = ("flash", "matrix", "cuda-core")
+"""The prefill attention paths, fastest first (NumbaCudaBackend.prefill_attention)."""
+PREFILL_ATTENTION_ENV = "WARMSTATE_PREFILL_ATTENTION"
+"""Environment variable that forces one of PREFILL_ATTENTION_PATHS (A/B benchmarks)."""
 
 
 def _i32(values) -> object:
@@ -79,7 +87,12 @@ class NumbaCudaBackend:
         self.pool = StatePool(config, slots, capacity_rows)
         self.gemm = Gemm()
         self.matrix_attention = MatrixAttention()
-        self._matrix_ok: bool | None = None
+        self._prefill_attention: str | None = None
+        self.attention_failures: dict[str, str] = {}
+        """Why a prefill attention path was passed over when choosing (path -> reason)."""
+        forced = os.environ.get(PREFILL_ATTENTION_ENV)
+        if forced:
+            self.prefill_attention = forced
         self._graphs = None
 
     def enable_decode_graphs(self, lanes: int = 0) -> None:
@@ -93,12 +106,39 @@ class NumbaCudaBackend:
 
     @property
     def prefill_attention(self) -> str:
-        """Which prefill attention runs: "matrix" (cuBLASLt tensor cores, attention_mm.py)
-        when both its GEMMs have a pinned invariant algorithm at this head_dim, else "cuda-core"
-        (attention.py). Decided once, on first use."""
-        if self._matrix_ok is None:
-            self._matrix_ok = self.matrix_attention.ready(self.config.head_dim)
-        return "matrix" if self._matrix_ok else "cuda-core"
+        """Which prefill attention runs, decided once on first use (or set before the first
+        prefill, or by the WARMSTATE_PREFILL_ATTENTION environment variable): "flash" (the
+        fused tensor-core kernel of attention_flash.py) when it compiles and runs at this
+        head_dim, else "matrix" (cuBLASLt tensor cores, attention_mm.py) when both its GEMMs
+        have a pinned invariant algorithm, else "cuda-core" (attention.py). The three give
+        different bits, so one backend never mixes them. `attention_failures` says why a
+        path was passed over."""
+        if self._prefill_attention is None:
+            self._prefill_attention = self._choose_prefill_attention()
+        return self._prefill_attention
+
+    @prefill_attention.setter
+    def prefill_attention(self, path: str) -> None:
+        if path not in PREFILL_ATTENTION_PATHS:
+            raise ValueError(f"prefill attention {path!r} is not one of {PREFILL_ATTENTION_PATHS}")
+        if path == "matrix" and not self.matrix_attention.ready(self.config.head_dim):
+            raise ValueError(f"matrix prefill attention is unavailable: {self.matrix_attention.failure}")
+        self._prefill_attention = path
+
+    def _choose_prefill_attention(self) -> str:
+        head_dim = self.config.head_dim
+        why = attention_flash.unavailable(head_dim)
+        if why is None:
+            try:
+                attention_flash.probe(head_dim)
+                return "flash"
+            except Exception as exc:  # noqa: BLE001 - no NVRTC / nvJitLink / mma here: the next path
+                why = f"{type(exc).__name__}: {exc}"
+        self.attention_failures["flash"] = why
+        if self.matrix_attention.ready(head_dim):
+            return "matrix"
+        self.attention_failures["matrix"] = self.matrix_attention.failure or "unavailable"
+        return "cuda-core"
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs) -> "NumbaCudaBackend":
@@ -160,6 +200,8 @@ class NumbaCudaBackend:
         if at is None:
             out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, 1, attention.DECODE_SPLIT_ROWS,
                                       stream=stream)
+        elif self.prefill_attention == "flash":
+            out = attention_flash.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
         elif self.prefill_attention == "matrix":
             out = self.matrix_attention.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
         else:

@@ -1,0 +1,126 @@
+"""Prefill attention in one fused pass on the tensor cores: a numba kernel that calls a CUDA
+C++ device function (flash_attention.cu: FlashAttention-2's loop with mma.sync bf16
+products, cp.async K/V blocks and an online softmax), linked through numba-cuda's `link=`
+(NVRTC compiles the source; with nvJitLink, link-time optimisation inlines it).
+
+Same contract as `attention_mm.MatrixAttention.prefill` (rows at positions start,
+start + 1, ... of one slot, each against keys [0, its position]; out = bf16 of the
+sigmoid-gated attention output) and the same exactness: a row's bits depend only on its
+position, head and the cache, never on the chunk, tile or warp it sits in (the source's
+header gives the argument). Its bits differ from the matrix path's (online softmax over
+32-key blocks instead of one pass over all keys), so a backend picks one path for good.
+
+Numerics against ops.attention: q and P are rounded to bf16, l sums the rounded P, the
+products accumulate in fp32. Twins: ops.attention, then ops.sigmoid_gate.
+Not available under the CUDA simulator (no NVRTC, no mma): `available` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+from executor.numba_cuda.device import IS_SIMULATOR, check, device_pointer, empty
+from executor.numba_cuda.launch import fast
+
+SOURCE = Path(__file__).with_name("flash_attention.cu")
+"""The CUDA C++ source of the device function."""
+BLOCK_KEYS = 32
+"""Keys per block (BN in the source): blocks are anchored at key 0."""
+WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
+"""Warps per CTA for each head_dim the source instantiates (16 virtual rows a warp)."""
+
+
+def unavailable(head_dim: int) -> str | None:
+    """Why the fused kernel cannot run here at `head_dim` (None when it can)."""
+    if IS_SIMULATOR:
+        return "the CUDA simulator has no NVRTC or mma"
+    if head_dim not in WARPS:
+        return f"head_dim {head_dim} is not one of {sorted(WARPS)}"
+    return None
+
+
+@functools.cache
+def kernel(head_dim: int):
+    """(launchable kernel, threads per CTA) for `head_dim` (compiled on first launch).
+    Raises ValueError for a head_dim the source does not instantiate."""
+    if head_dim not in WARPS:
+        raise ValueError(f"head_dim {head_dim} is not one of {sorted(WARPS)}")
+    warps = WARPS[head_dim]
+    device_fn = cuda.declare_device(
+        f"flash_prefill_{head_dim}_{warps}",
+        "int32(int64, int64, int64, int64, int64, int64, int64, int64, int64, float32)",
+    )
+
+    @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, 1))
+    def flash_kernel(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale):
+        device_fn(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale)
+
+    return fast(flash_kernel), warps * 32
+
+
+def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0):
+    """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
+    start + 1, ... of stream `slot`, each against keys [0, its position].
+
+    q: f32 device [rows, q_heads, head_dim] (after QK-norm and RoPE), C-contiguous; qg: f32
+    [rows, q_heads * 2 * head_dim] (q_proj output; gate halves read); kcache, vcache:
+    uint16 (bf16) [slots, capacity, kv_heads, head_dim], C-contiguous (one layer; rows
+    [0, start + rows) written, rows up to the next multiple of BLOCK_KEYS finite).
+    Returns uint16 (bf16) [rows, q_heads * head_dim]. Raises ValueError on mismatched
+    shapes, non-contiguous arrays, a head_dim not in WARPS or rows past the capacity.
+    """
+    check("q", q, np.float32, 3)
+    check("qg", qg, np.float32, 2)
+    check("kcache", kcache, np.uint16, 4)
+    check("vcache", vcache, np.uint16, 4)
+    rows, q_heads, head_dim = q.shape
+    slots, capacity, kv_heads, kd = kcache.shape
+    if kd != head_dim or q_heads % kv_heads or tuple(vcache.shape) != tuple(kcache.shape):
+        raise ValueError(f"q {q.shape} does not fit the caches {kcache.shape} / {vcache.shape}")
+    if tuple(qg.shape) != (rows, q_heads * 2 * head_dim):
+        raise ValueError(f"qg {qg.shape} must be [{rows}, {q_heads * 2 * head_dim}]")
+    if not 0 <= slot < slots or -(-(start + rows) // BLOCK_KEYS) * BLOCK_KEYS > capacity:
+        raise ValueError(f"slot {slot} / rows [{start}, {start + rows}) do not fit the capacity {capacity} "
+                         f"(keys are read in blocks of {BLOCK_KEYS})")
+    for name, array in (("q", q), ("qg", qg), ("kcache", kcache), ("vcache", vcache)):
+        if not array.is_c_contiguous():
+            raise ValueError(f"{name} must be C-contiguous")
+    launch, threads = kernel(head_dim)
+    out = empty((rows, q_heads * head_dim), np.uint16, stream) if out is None else out
+    if not rows:
+        return out
+    group = q_heads // kv_heads
+    tiles = -(-rows * group // (threads // 32 * 16))
+    slot_bytes = capacity * kv_heads * head_dim * 2
+    launch[(tiles, kv_heads), threads, stream](
+        device_pointer(q), device_pointer(qg), device_pointer(kcache) + slot * slot_bytes,
+        device_pointer(vcache) + slot * slot_bytes, device_pointer(out), rows, start, q_heads, kv_heads,
+        np.float32(1.0 / np.sqrt(head_dim)),
+    )
+    return out
+
+
+def probe(head_dim: int, kv_heads: int = 1, group: int = 2) -> None:
+    """Compile and run the kernel once on a small case (3 rows at position 0, keys that
+    make the answer the mean of V's first rows) and check the result; raises whatever the
+    compile or launch raises (no NVRTC, no nvJitLink, an old GPU), or RuntimeError on a
+    wrong answer."""
+    q_heads, rows, capacity = kv_heads * group, 3, BLOCK_KEYS
+    q = cuda.to_device(np.zeros((rows, q_heads, head_dim), np.float32))  # equal scores: weights 1/(pos+1)
+    qg = cuda.to_device(np.full((rows, q_heads * 2 * head_dim), 40.0, np.float32))  # sigmoid(40) = 1 in f32
+    values = np.arange(capacity * kv_heads * head_dim, dtype=np.float32).reshape(1, capacity, kv_heads, head_dim)
+    values = (values % 7) - 3
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+    kc = cuda.to_device(np.zeros_like(bits))
+    vc = cuda.to_device(bits)
+    got = prefill(q, qg, kc, vc, 0, 0).copy_to_host()
+    cuda.synchronize()
+    got = (got.astype(np.uint32) << 16).view(np.float32).reshape(rows, q_heads, head_dim)
+    want = np.cumsum(values[0], axis=0)[:rows] / np.arange(1, rows + 1, dtype=np.float32)[:, None, None]
+    want = np.repeat(want, group, axis=1)
+    if not np.allclose(got, want, rtol=1e-2, atol=1e-2):
+        raise RuntimeError(f"flash attention probe at head_dim {head_dim}: max error {np.abs(got - want).max()}")

@@ -1,0 +1,109 @@
+"""The fused tensor-core prefill attention (attention_flash.py, flash_attention.cu) on a
+real GPU: values against the float64 twin and the serving roundings, against the matrix
+path, and a row's bits independent of the chunk it sits in, the cut (on or off the
+64-row grid), a tail, and the other rows of its warp. Marked `cuda`: the CUDA simulator
+cannot run a linked CUDA C++ device function (no NVRTC, no mma), so these skip without a
+GPU; the backend then uses the matrix path, whose cases run under the simulator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from executor.numba_cuda.device import is_gpu_available
+
+pytestmark = pytest.mark.cuda
+if not is_gpu_available():
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+pytest.importorskip("nvmath")
+
+from executor.numba_cuda import attention_flash  # noqa: E402
+from executor.numba_cuda.attention_mm import MatrixAttention  # noqa: E402
+from executor.numba_cuda.device import poisoned, to_device  # noqa: E402
+from tests.executor.numba_cuda.cases_attention_mm import _emulated, _ref, _setup  # noqa: E402
+from tests.executor.numba_cuda.kernel_support import as_f32, host, rng  # noqa: E402
+from tests.helpers import assert_close  # noqa: E402
+
+TOL = 8e-3
+
+
+def _run(q, qg, kc, vc, slot, start):
+    with poisoned():
+        out = attention_flash.prefill(to_device(q), to_device(qg), kc, vc, slot, start)
+    return host(out)
+
+
+def _inputs(r, rows, heads, head_dim):
+    q = r.normal(size=(rows, heads, head_dim)).astype(np.float32)
+    qg = r.normal(size=(rows, heads * 2 * head_dim)).astype(np.float32)
+    return q, qg
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,start,rows", [
+    (4, 2, 16, 9, 13), (6, 2, 32, 0, 70), (3, 3, 64, 31, 40), (8, 2, 128, 5, 100), (16, 4, 256, 100, 150),
+    (24, 4, 256, 0, 33),
+])
+def test_flash_matches_twins(heads, kv_heads, head_dim, start, rows):
+    r = rng()
+    kh, vh, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=512)
+    q, qg = _inputs(r, rows, heads, head_dim)
+    out = as_f32(_run(q, qg, kc, vc, 1, start))
+    k, v = as_f32(kh[1]), as_f32(vh[1])
+    assert_close("vs float64 twin", _ref(q, qg, k, v, start), out, TOL, rel=True)
+    assert_close("vs emulated roundings", _emulated(q, qg, k, v, start).astype(np.float32), out, TOL, rel=True)
+    matrix = MatrixAttention()
+    if matrix.ready(head_dim):
+        with poisoned():
+            mm = host(matrix.prefill(to_device(q), to_device(qg), kc, vc, 1, start))
+        assert_close("vs the matrix path", as_f32(mm), out, TOL, rel=True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (16, 4, 256), (24, 4, 256)])
+def test_flash_rows_invariant_across_chunks_cuts_and_tails(heads, kv_heads, head_dim):
+    """A row's bits do not depend on its chunk: cuts on the 64-row grid, off it (37, 101),
+    a one-row chunk and a tail give every row the bits of the one-chunk run."""
+    r = rng()
+    _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=1024, slots=1)
+    rows = 700
+    q, qg = _inputs(r, rows, heads, head_dim)
+    whole = _run(q, qg, kc, vc, 0, 0)
+    for cuts in ([0, 64, 448, 700], [0, 37, 101, 102, 700], [0, 699, 700]):
+        pieces = np.concatenate([_run(q[a:b], qg[a:b], kc, vc, 0, a) for a, b in zip(cuts, cuts[1:])])
+        assert np.array_equal(pieces, whole), cuts
+    np.testing.assert_array_equal(_run(q[513:], qg[513:], kc, vc, 0, 513), whole[513:])
+
+
+def test_flash_depends_on_the_key_blocks_it_reads():
+    """The planted break for the invariance test above: a key past a row's position must
+    not matter, a key before it must (changing key 5 moves row 300; key 301 does not)."""
+    r = rng()
+    kh, vh, kc, vc = _setup(r, 16, 4, 256, capacity=512, slots=1)
+    q, qg = _inputs(r, 1, 16, 256)
+    base = _run(q, qg, kc, vc, 0, 300)
+    for key, moves in ((301, False), (5, True)):
+        vh2 = vh.copy()
+        vh2[0, key] ^= 0x0100
+        got = _run(q, qg, kc, to_device(vh2), 0, 300)
+        assert (not np.array_equal(got, base)) == moves, key
+
+
+def test_flash_rejects_bad_shapes_and_leaves_other_slots():
+    r = rng()
+    kh, vh, kc, vc = _setup(r, 4, 2, 16, capacity=256)
+    q, qg = _inputs(r, 5, 4, 16)
+    _run(q, qg, kc, vc, 1, 3)
+    np.testing.assert_array_equal(kc.copy_to_host(), kh)
+    np.testing.assert_array_equal(vc.copy_to_host(), vh)
+    with pytest.raises(ValueError, match="qg"):
+        attention_flash.prefill(to_device(q), to_device(qg[:, :-1].copy()), kc, vc, 1, 3)
+    with pytest.raises(ValueError, match="capacity"):
+        attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 1, 252)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention_flash.kernel(24)
+    assert attention_flash.unavailable(256) is None and "head_dim 48" in attention_flash.unavailable(48)
+
+
+def test_probe_passes():
+    for head_dim in attention_flash.WARPS:
+        attention_flash.probe(head_dim)
