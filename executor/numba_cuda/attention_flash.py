@@ -31,7 +31,10 @@ SOURCE = Path(__file__).with_name("flash_attention.cu")
 BLOCK_KEYS = 32
 """Keys per block (BN in the source): blocks are anchored at key 0."""
 WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
-"""Warps per CTA for each head_dim the source instantiates (16 virtual rows a warp)."""
+"""Warps per CTA for each head_dim (16 virtual rows a warp); the source also instantiates
+4 warps at 128 and 256 (`kernel(head_dim, warps)`, for benchmarks)."""
+VARIANTS = {(16, 4), (32, 4), (64, 4), (128, 4), (128, 8), (256, 4), (256, 8)}
+"""(head_dim, warps) pairs flash_attention.cu instantiates."""
 
 
 def unavailable(head_dim: int) -> str | None:
@@ -44,25 +47,26 @@ def unavailable(head_dim: int) -> str | None:
 
 
 @functools.cache
-def kernel(head_dim: int):
-    """(launchable kernel, threads per CTA) for `head_dim` (compiled on first launch).
-    Raises ValueError for a head_dim the source does not instantiate."""
-    if head_dim not in WARPS:
-        raise ValueError(f"head_dim {head_dim} is not one of {sorted(WARPS)}")
-    warps = WARPS[head_dim]
+def kernel(head_dim: int, warps: int | None = None):
+    """(launchable kernel, threads per CTA) for `head_dim` with `warps` warps a CTA (default
+    WARPS[head_dim]; compiled on first launch). Raises ValueError for a pair the source
+    does not instantiate (VARIANTS)."""
+    warps = WARPS.get(head_dim) if warps is None else warps
+    if (head_dim, warps) not in VARIANTS:
+        raise ValueError(f"head_dim {head_dim} with {warps} warps is not one of {sorted(VARIANTS)}")
     device_fn = cuda.declare_device(
-        f"flash_prefill_{head_dim}_{warps}",
+        f"flash_prefill_{head_dim}_{warps}_{BLOCK_KEYS}",
         "int32(int64, int64, int64, int64, int64, int64, int64, int64, int64, float32)",
     )
 
-    @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, 1))
+    @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, max(1, 8 // warps)))
     def flash_kernel(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale):
         device_fn(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale)
 
     return fast(flash_kernel), warps * 32
 
 
-def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0):
+def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None):
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
@@ -72,6 +76,7 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0):
     [0, start + rows) written, rows up to the next multiple of BLOCK_KEYS finite).
     Returns uint16 (bf16) [rows, q_heads * head_dim]. Raises ValueError on mismatched
     shapes, non-contiguous arrays, a head_dim not in WARPS or rows past the capacity.
+    warps: warps a CTA (default WARPS[head_dim]; benchmarks try the others of VARIANTS).
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -89,7 +94,7 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0):
     for name, array in (("q", q), ("qg", qg), ("kcache", kcache), ("vcache", vcache)):
         if not array.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous")
-    launch, threads = kernel(head_dim)
+    launch, threads = kernel(head_dim, warps)
     out = empty((rows, q_heads * head_dim), np.uint16, stream) if out is None else out
     if not rows:
         return out

@@ -32,20 +32,21 @@
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 
-#define BN 32
 #define NEG_INF __int_as_float(0xff800000)
 
-__device__ __forceinline__ u32 bf16_bits(float x) {
-    u32 u = __float_as_uint(x);
-    if (x != x) return (u >> 16) | 0x40u;
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
+// Two floats to packed bf16 (lo in the low half), round to nearest even: one cvt.
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
-    return bf16_bits(lo) | (bf16_bits(hi) << 16);
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
-__device__ __forceinline__ float bf16_value(u32 bits) { return __uint_as_float(bits << 16); }
+// 2^x (MUFU.EX2; flush-to-zero: exact zeros for the masked keys and for x < -126).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 addr;
@@ -88,10 +89,11 @@ __device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
 
 // Copy keys [block * BN, block * BN + BN) of one K/V head into dst [BN, LDS] (one
 // commit group per call, empty for threads with no piece).
-template <int D, int THREADS>
+template <int D, int BN, int THREADS>
 __device__ __forceinline__ void load_block(bf16_t* dst, const bf16_t* src, size_t row_stride, int block) {
     constexpr int LDS = D + 8;
     constexpr int PIECES = D / 8;
+#pragma unroll
     for (int c = threadIdx.x; c < BN * PIECES; c += THREADS) {
         int key = c / PIECES, piece = c % PIECES;
         copy16(smem_addr(dst + key * LDS + piece * 8), src + (size_t)(block * BN + key) * row_stride + piece * 8);
@@ -99,7 +101,7 @@ __device__ __forceinline__ void load_block(bf16_t* dst, const bf16_t* src, size_
     commit();
 }
 
-template <int D, int WARPS>
+template <int D, int WARPS, int BN>
 __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
                                               bf16_t* out, int rows, int start, int q_heads, int kv_heads,
                                               float scale) {
@@ -122,9 +124,13 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
     const int blocks = (start + cta_last / group) / BN + 1;
     const int warp_first = cta_first + warp * 16;
     const int warp_blocks = warp_first < vrows ? (start + min(warp_first + 15, vrows - 1) / group) / BN + 1 : 0;
+    // blocks wholly at or below the warp's first position need no mask
+    const int unmasked = warp_first < vrows ? (start + warp_first / group + 1) / BN : 0;
+    const float scale2 = scale * 1.4426950408889634f;  // scores in log2 units: exp(x) = 2^(x log2 e)
 
     int vr[2] = {warp_first + g, warp_first + g + 8};
     int row[2], head[2], pos[2];
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
         int v = min(vr[r], vrows - 1);
         row[r] = v / group;
@@ -152,8 +158,8 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
     float acc[DT][4];
 #pragma unroll
     for (int n = 0; n < DT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF};
-    float l[2] = {0.0f, 0.0f};
+    float m[2] = {NEG_INF, NEG_INF};  // running max, log2 units
+    float l[2] = {0.0f, 0.0f};        // this thread's share of the running sum
 
     const size_t row_stride = (size_t)kv_heads * D;
     const bf16_t* kbase = kc + (size_t)h * D;
@@ -164,26 +170,29 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
     const u32 k_lane = ks0 + 2u * ((lane & 7) * LDS + (lane >> 3) * 8);
     const u32 v_lane = vs0 + 2u * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
 
-    load_block<D, THREADS>(ks, kbase, row_stride, 0);
+    load_block<D, BN, THREADS>(ks, kbase, row_stride, 0);
     for (int b = 0; b < blocks; ++b) {
         wait_groups<0>();
         __syncthreads();  // K_b is in; every warp is done with V_{b-1}
-        load_block<D, THREADS>(vs, vbase, row_stride, b);
+        load_block<D, BN, THREADS>(vs, vbase, row_stride, b);
         const bool active = b < warp_blocks;
         float s[ST][4];
 #pragma unroll
         for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
         if (active) {
 #pragma unroll
-            for (int n = 0; n < ST; ++n) {
+            for (int k = 0; k + 1 < KSTEPS; k += 2) {
 #pragma unroll
-                for (int k = 0; k + 1 < KSTEPS; k += 2) {
+                for (int n = 0; n < ST; ++n) {
                     u32 b0, b1, b2, b3;
                     ldsm4(b0, b1, b2, b3, k_lane + 2u * (n * 8 * LDS + k * 16));
                     mma(s[n], qf[k], b0, b1);
                     mma(s[n], qf[k + 1], b2, b3);
                 }
-                if (KSTEPS % 2) {
+            }
+            if (KSTEPS % 2) {
+#pragma unroll
+                for (int n = 0; n < ST; ++n) {
                     u32 b0, b1;
                     ldsm2(b0, b1, k_lane + 2u * (n * 8 * LDS + (KSTEPS - 1) * 16));
                     mma(s[n], qf[KSTEPS - 1], b0, b1);
@@ -191,9 +200,11 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
             }
         }
         __syncthreads();  // every warp is done with K_b
-        if (b + 1 < blocks) load_block<D, THREADS>(ks, kbase, row_stride, b + 1);
+        if (b + 1 < blocks) load_block<D, BN, THREADS>(ks, kbase, row_stride, b + 1);
         u32 pf[BN / 16][4];
         if (active) {
+            const bool masked = b >= unmasked;  // warp-uniform
+            float alpha[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float top = NEG_INF;
@@ -201,8 +212,8 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
                 for (int n = 0; n < ST; ++n) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        int key = b * BN + n * 8 + 2 * t + e;
-                        float x = key <= pos[r] ? s[n][2 * r + e] * scale : NEG_INF;
+                        float x = s[n][2 * r + e] * scale2;
+                        if (masked && b * BN + n * 8 + 2 * t + e > pos[r]) x = NEG_INF;
                         s[n][2 * r + e] = x;
                         top = fmaxf(top, x);
                     }
@@ -210,23 +221,27 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
                 top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
                 top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
                 const float fresh = fmaxf(m[r], top);
-                const float alpha = expf(m[r] - fresh);
+                alpha[r] = exp2_approx(m[r] - fresh);  // exactly 1 when the max holds
                 m[r] = fresh;
                 float total = 0.0f;
 #pragma unroll
                 for (int n = 0; n < ST; ++n) {
-                    u32 lo = bf16_bits(expf(s[n][2 * r] - fresh));
-                    u32 hi = bf16_bits(expf(s[n][2 * r + 1] - fresh));
-                    total += bf16_value(lo);
-                    total += bf16_value(hi);
+                    const u32 p = pack2(exp2_approx(s[n][2 * r] - fresh), exp2_approx(s[n][2 * r + 1] - fresh));
+                    total += __uint_as_float(p << 16);
+                    total += __uint_as_float(p & 0xFFFF0000u);
                     // A fragment of P for k-step n / 2: a0/a1 rows g / g+8 keys 2t.., a2/a3 keys 8+2t..
-                    pf[n / 2][(n % 2) * 2 + r] = lo | (hi << 16);
+                    pf[n / 2][(n % 2) * 2 + r] = p;
                 }
-                l[r] = l[r] * alpha + total;
+                l[r] = l[r] * alpha[r] + total;
+            }
+            // O *= alpha, skipped when every row of the warp kept its max (alpha = 1: the same bits)
+            if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
                 for (int n = 0; n < DT; ++n) {
-                    acc[n][2 * r] *= alpha;
-                    acc[n][2 * r + 1] *= alpha;
+                    acc[n][0] *= alpha[0];
+                    acc[n][1] *= alpha[0];
+                    acc[n][2] *= alpha[1];
+                    acc[n][3] *= alpha[1];
                 }
             }
         }
@@ -273,12 +288,12 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
 
 // Entry points: numba's ABI (status return, result pointer first); pointers and counts
 // as int64 (what numba types a Python int as), the scale as float32.
-#define FLASH_ENTRY(D, WARPS)                                                                                  \
-    extern "C" __device__ int flash_prefill_##D##_##WARPS(int* result, long long q, long long qg, long long kc, \
+#define FLASH_ENTRY(D, WARPS, BN)                                                                                  \
+    extern "C" __device__ int flash_prefill_##D##_##WARPS##_##BN(int* result, long long q, long long qg, long long kc, \
                                                           long long vc, long long out, long long rows,         \
                                                           long long start, long long q_heads,                  \
                                                           long long kv_heads, float scale) {                   \
-        flash_prefill<D, WARPS>(reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qg),          \
+        flash_prefill<D, WARPS, BN>(reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qg),          \
                                 reinterpret_cast<const bf16_t*>(kc), reinterpret_cast<const bf16_t*>(vc),       \
                                 reinterpret_cast<bf16_t*>(out), (int)rows, (int)start, (int)q_heads,           \
                                 (int)kv_heads, scale);                                                        \
@@ -286,10 +301,10 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
         return 0;                                                                                              \
     }
 
-FLASH_ENTRY(16, 4)
-FLASH_ENTRY(32, 4)
-FLASH_ENTRY(64, 4)
-FLASH_ENTRY(128, 4)
-FLASH_ENTRY(256, 4)
-FLASH_ENTRY(128, 8)
-FLASH_ENTRY(256, 8)
+FLASH_ENTRY(16, 4, 32)
+FLASH_ENTRY(32, 4, 32)
+FLASH_ENTRY(64, 4, 32)
+FLASH_ENTRY(128, 4, 32)
+FLASH_ENTRY(128, 8, 32)
+FLASH_ENTRY(256, 4, 32)
+FLASH_ENTRY(256, 8, 32)

@@ -109,6 +109,31 @@ def _matrix_attention_roundings(q, k, v, start):
     return out
 
 
+def _flash_attention_roundings(q, k, v, start, block=32):
+    """ops.attention with the fused prefill's roundings (attention_flash.py): q in bf16, an
+    online softmax over key blocks of `block` rows from key 0, each block's probabilities
+    rounded to bf16 against the running max, the sum over the rounded ones."""
+    from executor.safetensors_file import bf16_to_f32, f32_to_bf16
+
+    r = lambda a: bf16_to_f32(f32_to_bf16(np.asarray(a, np.float32)))  # noqa: E731
+    rows, heads, head_dim = q.shape
+    group, keys = heads // k.shape[1], start + rows
+    out = np.empty((rows, heads, head_dim), np.float32)
+    qb = r(q).astype(np.float64)
+    for h in range(heads):
+        kh, vh = k[:keys, h // group].astype(np.float64), v[:keys, h // group].astype(np.float64)
+        s = ((qb[:, h] @ kh.T).astype(np.float32) * np.float32(head_dim**-0.5)).astype(np.float64)
+        s[np.arange(keys)[None, :] > (start + np.arange(rows))[:, None]] = -np.inf
+        m, total, o = np.full(rows, -np.inf), np.zeros(rows), np.zeros((rows, head_dim))
+        for b in range(0, keys, block):
+            fresh = np.maximum(m, s[:, b:b + block].max(axis=1))
+            alpha = np.exp(m - fresh)
+            p = r(np.exp(s[:, b:b + block] - fresh[:, None])).astype(np.float64)
+            total, o, m = total * alpha + p.sum(axis=1), o * alpha[:, None] + p @ vh[b:b + block], fresh
+        out[:, h] = o / total[:, None]
+    return out
+
+
 def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     """The reference with the serving format's bf16 roundings (GEMM inputs, conv input and
     tail, K/V; for prefill rows also q and the attention probabilities, as the tensor-core
@@ -119,10 +144,11 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
 
     r = lambda a: bf16_to_f32(f32_to_bf16(np.asarray(a, np.float32)))  # noqa: E731
     linear, conv1d, attend = ops.linear, ops.causal_conv1d, ops.attention
+    emulate = {"flash": _flash_attention_roundings, "matrix": _matrix_attention_roundings}[models[1].prefill_attention]
     monkeypatch.setattr(ops, "linear", lambda x, w: linear(r(x), w))
     monkeypatch.setattr(ops, "causal_conv1d", lambda x, tail, w: conv1d(r(x), r(tail), w))
     monkeypatch.setattr(ops, "attention", lambda q, k, v, start: (
-        _matrix_attention_roundings(q, r(k), r(v), start) if len(q) > 1 else attend(q, r(k), r(v), start)))
+        emulate(q, r(k), r(v), start) if len(q) > 1 else attend(q, r(k), r(v), start)))
     steps = []
     errors, rt, gt = _teacher_forced(*models, steps_out=steps)
     print(f"vs bf16-emulating reference: max {max(errors):.2e} median {np.median(errors):.2e}")
