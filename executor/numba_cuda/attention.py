@@ -30,6 +30,8 @@ from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, check
 from executor.numba_cuda.gemv import WORD, bf16_hi, bf16_lo, vector_load
 from executor.numba_cuda.launch import fast
 from executor.numba_cuda.norms import block_sum
+from executor.numba_cuda.norms import warp_max as _warp_max
+from executor.numba_cuda.norms import warp_sum as _warp_sum
 
 TILE_ROWS = 8
 """Query rows per prefill tile (they share each key block's loads)."""
@@ -148,50 +150,6 @@ def _partial_kernel(q, q_slot, q_pos, tile_rows, kcache, vcache, split_rows, m_o
                 d = t + j * THREADS
                 if d < head_dim:
                     o_out[r0 + r, head, split, d] = acc[r, j]
-
-
-if IS_SIMULATOR:
-
-    def _warp_tree(value, scratch, combine):
-        """`combine` of `value` over the warp's 32 lanes, in the butterfly's pairing (the
-        simulator has no shuffles: a shared-memory tree, same pairs); every lane gets it."""
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        scratch[warp, lane] = value
-        cuda.syncthreads()
-        step = WARP // 2
-        while step > 0:
-            if lane < step:
-                scratch[warp, lane] = combine(scratch[warp, lane], scratch[warp, lane + step])
-            cuda.syncthreads()
-            step //= 2
-        result = scratch[warp, 0]
-        cuda.syncthreads()
-        return result
-
-    def _warp_sum(value, scratch):
-        """The sum of `value` over the warp's 32 lanes; every lane gets it."""
-        return _warp_tree(value, scratch, lambda a, b: a + b)
-
-    def _warp_max(value, scratch):
-        """The max of `value` over the warp's 32 lanes; every lane gets it."""
-        return _warp_tree(value, scratch, max)
-
-else:
-
-    @cuda.jit(device=True, inline=True)
-    def _warp_sum(value, scratch):
-        """The sum of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
-        for step in (16, 8, 4, 2, 1):
-            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
-        return value
-
-    @cuda.jit(device=True, inline=True)
-    def _warp_max(value, scratch):
-        """The max of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
-        for step in (16, 8, 4, 2, 1):
-            value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, step))
-        return value
 
 
 DECODE_KEYS_IN_FLIGHT = 4

@@ -2,8 +2,9 @@
 RMSNorm of the linear-attention output. Both write bf16, the input of the next GEMM.
 
 Twins: `ops.rms_norm` (after `x + delta`) and `ops.gated_rms_norm`. QK-norm lives in
-attention_prep.py. One block per row (or per row and head); fp32 math, fixed-order
-shared-memory reductions, so a row's bits never depend on the other rows.
+attention_prep.py. One block per row (add_rms_norm) or one warp per row and head
+(gated_rms_norm); fp32 math, fixed-order reductions (a shared-memory tree, a warp
+butterfly), so a row's bits never depend on the other rows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
+from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, empty, f32_to_bf16
 from executor.numba_cuda.launch import fast
 
 _F32 = np.float32
@@ -45,6 +46,54 @@ def tree_sum(threads: int):
 
 block_sum = tree_sum(THREADS)
 """Sum a value over the block's THREADS threads (fixed tree order); all get the sum."""
+
+
+if IS_SIMULATOR:  # device functions, so the simulator lends them its `cuda` from any module
+
+    @cuda.jit(device=True)
+    def warp_tree(value, scratch, combine):
+        """`combine` of `value` over the warp's 32 lanes, in the butterfly's pairing (the
+        simulator has no shuffles: a shared-memory tree, same pairs); every lane gets it."""
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        scratch[warp, lane] = value
+        cuda.syncthreads()
+        step = 16
+        while step > 0:
+            if lane < step:
+                scratch[warp, lane] = combine(scratch[warp, lane], scratch[warp, lane + step])
+            cuda.syncthreads()
+            step //= 2
+        result = scratch[warp, 0]
+        cuda.syncthreads()
+        return result
+
+    @cuda.jit(device=True)
+    def warp_sum(value, scratch):
+        """The sum of `value` over the warp's 32 lanes; every lane gets it."""
+        return warp_tree(value, scratch, lambda a, b: a + b)
+
+    @cuda.jit(device=True)
+    def warp_max(value, scratch):
+        """The max of `value` over the warp's 32 lanes; every lane gets it."""
+        return warp_tree(value, scratch, max)
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def warp_sum(value, scratch):
+        """The sum of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
+        for step in (16, 8, 4, 2, 1):
+            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
+        return value
+
+    @cuda.jit(device=True, inline=True)
+    def warp_max(value, scratch):
+        """The max of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
+        for step in (16, 8, 4, 2, 1):
+            value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, step))
+        return value
+
 
 
 NORM_THREADS = 1024
@@ -116,26 +165,36 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads:
     return out
 
 
+GATED_WARPS = 8
+"""(row, head) pairs per block of `gated_rms_norm`: one warp each."""
+
+
 @fast
 @cuda.jit
 def _gated_rms_norm_kernel(x, gate, weight, eps, out):
     # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32
-    # out: [rows, heads * dim] bf16
-    row = cuda.blockIdx.x
-    head = cuda.blockIdx.y
-    t = cuda.threadIdx.x
+    # out: [rows, heads * dim] bf16; one warp per (row, head)
+    heads = x.shape[1]
     dim = x.shape[2]
-    buf = cuda.shared.array(THREADS, np.float32)
+    pair = cuda.blockIdx.x * GATED_WARPS + cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    scratch = cuda.shared.array((GATED_WARPS, 32), np.float32)  # the simulator's warp tree only
+    live = pair < x.shape[0] * heads
+    if not live:
+        pair = 0  # idle warps of the last block compute a real pair and store nothing
+    row = pair // heads
+    head = pair % heads
     ssq = _F32(0.0)
-    for i in range(t, dim, THREADS):
+    for i in range(lane, dim, 32):
         v = x[row, head, i]
         ssq += v * v
-    total = block_sum(buf, ssq)
-    inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
-    for i in range(t, dim, THREADS):
-        g = gate[row, head * dim + i]
-        silu = g / (_F32(1.0) + math.exp(-g))
-        out[row, head * dim + i] = f32_to_bf16(x[row, head, i] * inv * weight[i] * silu)
+    ssq = warp_sum(ssq, scratch)
+    inv = _F32(1.0) / math.sqrt(ssq / _F32(dim) + _F32(eps))
+    if live:
+        for i in range(lane, dim, 32):
+            g = gate[row, head * dim + i]
+            silu = g / (_F32(1.0) + math.exp(-g))
+            out[row, head * dim + i] = f32_to_bf16(x[row, head, i] * inv * weight[i] * silu)
 
 
 def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
@@ -143,7 +202,9 @@ def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
 
     x: f32 [rows, heads, dim]; gate: f32 [rows, heads * dim] (may be a column slice of a
     wider GEMM output); weight: f32 [dim]; returns uint16 (bf16) [rows, heads * dim].
-    Twin: ops.gated_rms_norm (its output flattened per row).
+    One warp per (row, head): a lane sums dims lane, lane + 32, ... then a fixed xor
+    butterfly; a row's bits never depend on the other rows. Twin: ops.gated_rms_norm (its
+    output flattened per row).
     """
     check("x", x, np.float32, 3)
     check("gate", gate, np.float32, 2)
@@ -153,6 +214,8 @@ def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
         raise ValueError(f"gate {gate.shape} / weight {weight.shape} do not fit x {x.shape}")
     out = empty((rows, heads * dim), np.uint16, stream) if out is None else out
     if rows:
-        _gated_rms_norm_kernel[(rows, heads), THREADS, stream](x, gate, weight, eps, out)
+        pairs = rows * heads
+        _gated_rms_norm_kernel[(pairs + GATED_WARPS - 1) // GATED_WARPS, GATED_WARPS * 32, stream](x, gate, weight,
+                                                                                                  eps, out)
     return out
 

@@ -43,9 +43,11 @@ def test_add_rms_norm(with_delta, threads):
     assert_close("add_rms_norm", ops.rms_norm(summed, weight, 1e-6), as_f32(out), BF16_TOL, rel=True)
 
 
-def test_gated_rms_norm_reads_a_column_slice():
+@pytest.mark.parametrize("rows,heads,dim", [(2, 3, 16), (5, 3, 128)])
+def test_gated_rms_norm_reads_a_column_slice(rows, heads, dim):
+    """One warp per (row, head): dims below and above the 32 lanes, and a last block with
+    idle warps (15 pairs in blocks of GATED_WARPS)."""
     r = rng()
-    rows, heads, dim = 2, 3, 16
     x = r.normal(size=(rows, heads, dim)).astype(np.float32)
     wide = r.normal(size=(rows, 5 + heads * dim)).astype(np.float32)
     weight = (1 + r.normal(0, 0.1, dim)).astype(np.float32)
@@ -55,13 +57,22 @@ def test_gated_rms_norm_reads_a_column_slice():
     assert_close("gated_rms_norm", ref, as_f32(out), BF16_TOL, rel=True)
 
 
-def test_swiglu():
+@pytest.mark.parametrize("inter", [70, 72, 1032])
+def test_swiglu(inter):
+    """inter 70: one column a thread; 72 and 1032: four (16-byte loads), the same bits as
+    one a thread."""
     r = rng()
-    gate_up = r.normal(size=(3, 2 * 70)).astype(np.float32)
+    rows = 3
+    gate_up = r.normal(size=(rows, 2 * inter)).astype(np.float32) * 4
     with poisoned():
         out = host(elementwise.swiglu(to_device(gate_up)))
-    ref = ops.silu(gate_up[:, :70]) * gate_up[:, 70:]
+    ref = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     assert_close("swiglu", ref, as_f32(out), BF16_TOL, rel=True)
+    if inter % 4 == 0:
+        with poisoned():
+            one = elementwise.empty((rows, inter), np.uint16)
+            elementwise._swiglu_kernel[(elementwise.blocks(inter), rows), elementwise.THREADS](to_device(gate_up), one)
+        np.testing.assert_array_equal(host(one), out)
 
 
 @pytest.mark.parametrize("k", [64, 1600], ids=["k64", "k1600-unrolled"])
