@@ -33,7 +33,13 @@ BLOCK_KEYS = 32
 WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
 """Warps per CTA for each head_dim (16 virtual rows a warp); the source also instantiates
 4 warps at 128 and 256 (`kernel(head_dim, warps)`, for benchmarks)."""
-VARIANTS = {(16, 4), (32, 4), (64, 4), (128, 4), (128, 8), (256, 4), (256, 8)}
+SHORT_VIRTUAL_ROWS = 8192
+"""At most this many virtual rows (rows x group) a call, head_dim 256 runs 4 warps a CTA,
+above it 8: the same bits (a row never depends on its CTA's other rows; tested), and on
+the H200 4 warps were 5-10% faster for short chunks (27B 51 rows at 1984: 265 vs 293 us a
+layer) and 8 warps 4% faster for long ones (9B 8192 rows: 3.21 vs 3.35 ms); RESULTS.md,
+session 8."""
+VARIANTS = {(16, 4), (32, 4), (64, 4), (128, 4), (128, 8), (256, 1), (256, 2), (256, 4), (256, 8)}
 """(head_dim, warps) pairs flash_attention.cu instantiates."""
 
 
@@ -59,7 +65,7 @@ def kernel(head_dim: int, warps: int | None = None):
         "int32(int64, int64, int64, int64, int64, int64, int64, int64, int64, float32)",
     )
 
-    @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, max(1, 8 // warps)))
+    @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, 8 // warps))
     def flash_kernel(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale):
         device_fn(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale)
 
@@ -76,7 +82,8 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     [0, start + rows) written, rows up to the next multiple of BLOCK_KEYS finite).
     Returns uint16 (bf16) [rows, q_heads * head_dim]. Raises ValueError on mismatched
     shapes, non-contiguous arrays, a head_dim not in WARPS or rows past the capacity.
-    warps: warps a CTA (default WARPS[head_dim]; benchmarks try the others of VARIANTS).
+    warps: warps a CTA (default: WARPS[head_dim], 4 at head_dim 256 for at most
+    SHORT_VIRTUAL_ROWS virtual rows; benchmarks try the others of VARIANTS).
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -94,11 +101,13 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     for name, array in (("q", q), ("qg", qg), ("kcache", kcache), ("vcache", vcache)):
         if not array.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous")
+    group = q_heads // kv_heads
+    if warps is None:
+        warps = 4 if head_dim == 256 and rows * group <= SHORT_VIRTUAL_ROWS else WARPS.get(head_dim)
     launch, threads = kernel(head_dim, warps)
     out = empty((rows, q_heads * head_dim), np.uint16, stream) if out is None else out
     if not rows:
         return out
-    group = q_heads // kv_heads
     tiles = -(-rows * group // (threads // 32 * 16))
     slot_bytes = capacity * kv_heads * head_dim * 2
     launch[(tiles, kv_heads), threads, stream](
@@ -110,10 +119,10 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
 
 
 def probe(head_dim: int, kv_heads: int = 1, group: int = 2) -> None:
-    """Compile and run the kernel once on a small case (3 rows at position 0, keys that
-    make the answer the mean of V's first rows) and check the result; raises whatever the
-    compile or launch raises (no NVRTC, no nvJitLink, an old GPU), or RuntimeError on a
-    wrong answer."""
+    """Compile and run every variant `prefill` picks at `head_dim` once on a small case
+    (3 rows at position 0, keys that make the answer the mean of V's first rows) and check
+    the result; raises whatever the compile or launch raises (no NVRTC, no nvJitLink, an
+    old GPU), or RuntimeError on a wrong answer."""
     q_heads, rows, capacity = kv_heads * group, 3, BLOCK_KEYS
     q = cuda.to_device(np.zeros((rows, q_heads, head_dim), np.float32))  # equal scores: weights 1/(pos+1)
     qg = cuda.to_device(np.full((rows, q_heads * 2 * head_dim), 40.0, np.float32))  # sigmoid(40) = 1 in f32
@@ -122,10 +131,12 @@ def probe(head_dim: int, kv_heads: int = 1, group: int = 2) -> None:
     bits = (values.view(np.uint32) >> 16).astype(np.uint16)
     kc = cuda.to_device(np.zeros_like(bits))
     vc = cuda.to_device(bits)
-    got = prefill(q, qg, kc, vc, 0, 0).copy_to_host()
-    cuda.synchronize()
-    got = (got.astype(np.uint32) << 16).view(np.float32).reshape(rows, q_heads, head_dim)
     want = np.cumsum(values[0], axis=0)[:rows] / np.arange(1, rows + 1, dtype=np.float32)[:, None, None]
     want = np.repeat(want, group, axis=1)
-    if not np.allclose(got, want, rtol=1e-2, atol=1e-2):
-        raise RuntimeError(f"flash attention probe at head_dim {head_dim}: max error {np.abs(got - want).max()}")
+    for warps in sorted({WARPS.get(head_dim), 4 if head_dim == 256 else WARPS.get(head_dim)}, key=str):
+        got = prefill(q, qg, kc, vc, 0, 0, warps=warps).copy_to_host()
+        cuda.synchronize()
+        got = (got.astype(np.uint32) << 16).view(np.float32).reshape(rows, q_heads, head_dim)
+        if not np.allclose(got, want, rtol=1e-2, atol=1e-2):
+            raise RuntimeError(f"flash attention probe at head_dim {head_dim}, {warps} warps: max error "
+                               f"{np.abs(got - want).max()}")

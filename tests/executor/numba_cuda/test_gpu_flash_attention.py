@@ -74,6 +74,21 @@ def test_flash_rows_invariant_across_chunks_cuts_and_tails(heads, kv_heads, head
     np.testing.assert_array_equal(_run(q[513:], qg[513:], kc, vc, 0, 513), whole[513:])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(16, 4), (24, 4)])
+def test_flash_bits_do_not_depend_on_warps_per_cta(heads, kv_heads):
+    """prefill picks 4 or 8 warps a CTA by the chunk's size (SHORT_VIRTUAL_ROWS): every
+    variant gives every row the same bits."""
+    r = rng()
+    _, _, kc, vc = _setup(r, heads, kv_heads, 256, capacity=1024, slots=1)
+    q, qg = _inputs(r, 301, heads, 256)
+    with poisoned():
+        runs = [host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, 100, warps=w)) for w in (1, 2, 4, 8)]
+    for w, run in zip((1, 2, 4), runs):
+        assert np.array_equal(run, runs[-1]), f"{w} warps"
+    assert 301 * heads // kv_heads <= attention_flash.SHORT_VIRTUAL_ROWS
+    np.testing.assert_array_equal(_run(q, qg, kc, vc, 0, 100), runs[-1])
+
+
 def test_flash_depends_on_the_key_blocks_it_reads():
     """The planted break for the invariance test above: a key past a row's position must
     not matter, a key before it must (changing key 5 moves row 300; key 301 does not)."""
