@@ -10,18 +10,23 @@
 // v / group of the chunk and query head h * group + v % group (the layout of
 // attention_mm.py), so a CTA's warps share every K/V block they load. Keys go in blocks of
 // BN = 32 rows anchored at key 0; K_b and V_b are copied to shared memory with cp.async,
-// V_b while S = Q K_b^T runs and K_{b+1} while P V_b runs. The products are
-// mma.sync.m16n8k16 (bf16 in, fp32 accumulate). A row's softmax is online over the
-// blocks in ascending order: m = max(m, blockmax), alpha = exp(m_old - m),
-// p = bf16(exp(x - m)), l = l * alpha + sum(p), O = O * alpha + P V.
+// V_b while S = Q K_b^T runs and K_{b+1} while the softmax and P V_b run. The products
+// are mma.sync.m16n8k16 (bf16 in, fp32 accumulate; fragments through ldmatrix, V's
+// transposed). Scores are kept in log2 units (x = s * scale * log2 e) and a row's softmax
+// is online over the blocks in ascending order: m = max(m, blockmax),
+// alpha = 2^(m_old - m), p = bf16(2^(x - m)) (ex2.approx, cvt.rn.bf16x2), l = l * alpha +
+// sum(p), O = O * alpha + P V; the O rescale is skipped when no row of the warp moved its
+// max (alpha = 1 exactly: the same bits), and the causal mask is applied only on blocks
+// that reach past the warp's first position.
 //
 // Exactness (DESIGN "invariant grid"): a row's bits depend only on its position, its
 // head and the cache. Its keys, blocks, block order and every reduction order (a thread's
 // columns in a fixed order, then the quad's xor-1 and xor-2 shuffles) are the same
 // whatever chunk, tile or warp it sits in; a block past the row's position (processed
 // because another row of the warp needs it) has every x = -inf, so m and l are unchanged,
-// alpha = exp(0) = 1 and P = 0 adds exact zeros: same bits as not processing it. Rows of
-// one mma never mix (row i of D reads row i of A only).
+// alpha = 2^0 = 1 and P = 0 adds exact zeros: same bits as not processing it. Rows of
+// one mma never mix (row i of D reads row i of A only), so neither the warps a CTA has
+// nor the rows beside a row in its CTA change its bits.
 //
 // Shapes (all row-major, C-contiguous): q f32 [rows, q_heads, D] (after QK-norm and
 // RoPE); qg f32 [rows, q_heads * 2 * D] (the gate is the second half of each head);
