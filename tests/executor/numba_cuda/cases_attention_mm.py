@@ -119,3 +119,38 @@ def test_device_pool_size_classes():
     assert [_size_class(n) for n in (1, 512, 513, 65536)] == [512, 512, 1024, 65536]
     assert _size_class(65537) == 81920 and _size_class(1 << 20) == 1 << 20
     assert all(n <= _size_class(n) <= 1.25 * n + 512 for n in (70_000, 123_456_789, 570_000_000))
+
+
+def test_prefill_attention_choice_and_flash_input_errors():
+    """The backend's choice: the fused kernel where it runs, else this matrix path (under the
+    simulator: no NVRTC, so "matrix", the reason kept); the fused kernel's wrapper names bad
+    input before any compile."""
+    import types
+
+    from executor.numba_cuda import attention_flash
+    from executor.numba_cuda.backend import NumbaCudaBackend
+    from executor.numba_cuda.device import IS_SIMULATOR
+
+    stub = types.SimpleNamespace(config=types.SimpleNamespace(head_dim=16), matrix_attention=MatrixAttention(),
+                                 attention_failures={})
+    chosen = NumbaCudaBackend._choose_prefill_attention(stub)
+    if IS_SIMULATOR:
+        assert chosen == "matrix" and "simulator" in stub.attention_failures["flash"]
+        assert "simulator" in attention_flash.unavailable(256)
+    else:
+        assert chosen == "flash", stub.attention_failures
+        assert "head_dim 48" in attention_flash.unavailable(48)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        attention_flash.kernel(24)
+    with pytest.raises(ValueError, match="prefill attention 'fast'"):
+        NumbaCudaBackend.prefill_attention.fset(stub, "fast")
+    r = rng()
+    _, _, kc, vc = _setup(r, 4, 2, 16, capacity=256)
+    q = to_device(r.normal(size=(5, 4, 16)).astype(np.float32))
+    qg = r.normal(size=(5, 4 * 32)).astype(np.float32)
+    with pytest.raises(ValueError, match="qg"):
+        attention_flash.prefill(q, to_device(qg[:, :-1].copy()), kc, vc, 1, 3)
+    with pytest.raises(ValueError, match="capacity 256"):
+        attention_flash.prefill(q, to_device(qg), kc, vc, 1, 252)
+    with pytest.raises(ValueError, match="slot 2"):
+        attention_flash.prefill(q, to_device(qg), kc, vc, 2, 0)
