@@ -58,6 +58,7 @@ from typing import Any
 import attrs
 
 from executor.chat import ChatRenderer, builtin_template, load_template
+from executor.metrics import STEP_PHASES
 from executor.server_process import start_server, stop_server
 from executor.tokenizer import default_tokenizer, load_tokenizer
 
@@ -136,11 +137,21 @@ class Server:
         if self.proc is not None:
             stop_server(self.proc)
 
-    def warm_counts(self) -> dict[str, float]:
-        """Warm pass events so far (/metrics), and `rows`: rows warm passes pre-filled."""
+    def _samples(self) -> dict[str, str]:
+        """/metrics as {sample name with labels: value text}."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
             lines = resp.read().decode().splitlines()
-        samples = dict(line.rpartition(" ")[::2] for line in lines if line and not line.startswith("#"))
+        return dict(line.rpartition(" ")[::2] for line in lines if line and not line.startswith("#"))
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Host seconds the server's steps spent in each phase so far (/metrics'
+        warmstate_step_phase_seconds_total: restore, forward, keep, decode, release)."""
+        samples = self._samples()
+        return {p: float(samples.get(f'warmstate_step_phase_seconds_total{{phase="{p}"}}', 0)) for p in STEP_PHASES}
+
+    def warm_counts(self) -> dict[str, float]:
+        """Warm pass events so far (/metrics), and `rows`: rows warm passes pre-filled."""
+        samples = self._samples()
         out = {e: float(samples.get(f'warmstate_warm_passes_total{{event="{e}"}}', 0)) for e in WARM_EVENTS}
         return out | {"rows": float(samples.get("warmstate_warm_rows_total", 0))}
 
@@ -231,7 +242,10 @@ def run_turn(server: Server, renderer: ChatRenderer, history: list[dict], s: Set
     continuation_rows: the next request's shared prefix, rendered here as the server does."""
     rendered = renderer.render(history, enable_thinking=False)
     before = server.warm_counts() if server.cache_on else None
+    phases = server.phase_seconds()
     turn = chat_stream(server, history, s.max_tokens)
+    done = server.phase_seconds()  # before the reply's warm pass (it waits for a quiet spell)
+    turn["phases_ms"] = {p: round(1e3 * (done[p] - phases[p]), 3) for p in STEP_PHASES}
     cont = renderer.render_continuation(history, reply_message(turn))
     turn |= {"rendered_rows": len(rendered.token_ids), "continuation_rows": len(cont.token_ids),
              "prompt_sha256": ids_sha256(rendered.token_ids), "token_sha256": ids_sha256(turn["token_ids"]),
@@ -442,6 +456,23 @@ def receipt_table(runs: list[dict[str, Any]], s: Settings) -> str:
                      for r in rows)
 
 
+def phase_table(runs: list[dict[str, Any]], s: Settings) -> str:
+    """Per case, turn and server: host ms of each step phase during the turn (from
+    /metrics; median [min-max] over repeats): where a turn's prefill time goes."""
+    shown = [p for p in STEP_PHASES if p != "release"]
+    rows = [("case", "turn", "srv", *(f"{p} ms" for p in shown))]
+    for case in s.cases:
+        for k in range(s.turns):
+            for srv in "AB":
+                turns = [r["turns"][k] for r in runs if r["case"] == case and r["server"] == srv]
+                if turns and all("phases_ms" in t for t in turns):
+                    rows.append((case, str(k + 1), srv,
+                                 *(_spread([t["phases_ms"][p] / 1e3 for t in turns]) for p in shown)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
+
+
 def environment() -> dict[str, Any]:
     """The git commit (and whether the tree is dirty) and the GPU name, when known."""
     def run(*cmd: str) -> str | None:
@@ -586,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     save(complete=True)
     assertions = check(runs, s, args.max_ttft_ratio)
     print(receipt_table(runs, s))
+    print("host ms per step phase during each turn (/metrics):")
+    print(phase_table(runs, s))
     for case in s.cases:
         on, off = ([r for r in runs if r["case"] == case and r["server"] == srv] for srv in "AB")
         if on and off:

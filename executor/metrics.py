@@ -13,6 +13,8 @@ from policy import events as ev
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_PHASES = ("release", "restore", "forward", "keep", "decode")
+"""The phases of step_phase_seconds (the same as executor.stepper.PHASES)."""
 _WARM_EVENTS = {
     ev.WarmScheduled: "scheduled",
     ev.WarmStarted: "started",
@@ -32,6 +34,8 @@ class Metrics:
     warm_rows_total: rows pre-filled by warm passes. warm_passes_total{event}.
     store_bytes / store_entries: the prompt cache now. evictions_total{how}: ghost or freed.
     lanes_busy: admitted foreground requests. queue_waiting: requests waiting for a lane.
+    step_phase_seconds_total{phase}: host seconds the backend worker spent in each phase
+    of its steps (executor.stepper.PHASES: release, restore, forward, keep, decode).
     """
 
     def __init__(self) -> None:
@@ -47,6 +51,8 @@ class Metrics:
         self.evictions = Counter("warmstate_evictions", "Kept states evicted", ["how"], registry=r)
         self.lanes_busy = Gauge("warmstate_lanes_busy", "Admitted foreground requests", registry=r)
         self.queue_waiting = Gauge("warmstate_queue_waiting", "Requests waiting for a lane", registry=r)
+        self.step_phase = Counter("warmstate_step_phase_seconds", "Host seconds of the backend's step phases",
+                                  ["phase"], registry=r)
         for outcome in ("stop", "length", "cancelled", "rejected", "error", "invalid"):
             self.requests.labels(outcome)
         for source in ("computed", "cached"):
@@ -55,6 +61,8 @@ class Metrics:
             self.warm.labels(name)
         for how in ("ghost", "freed"):
             self.evictions.labels(how)
+        for phase in STEP_PHASES:
+            self.step_phase.labels(phase)
 
     def event(self, e: ev.Event) -> None:
         """Count one trace event."""

@@ -315,6 +315,8 @@ class Runtime:
 
     def _commit(self, plan: Plan, out: Outcome) -> None:
         step = plan.step
+        for phase, seconds in out.phases.items():
+            self.metrics.step_phase.labels(phase).inc(seconds)
         self._states.update(out.states)
         failed: list[Live] = []
         if out.error is not None:

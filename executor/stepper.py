@@ -97,7 +97,10 @@ class Plan:
 class Outcome:
     """What a step produced: new states by stream, the snapshot a keep asked for, the
     tokens (request, token id, released text), lanes that stopped, requests whose reply
-    ended (their continuation is rendered), and the error that stopped it, if any."""
+    ended (their continuation is rendered), the error that stopped it, if any, and
+    `phases`: host seconds the step spent in each of PHASES (only those it ran; a backend
+    that queues work asynchronously is timed up to its return, so a phase that reads
+    results back, like a prefill that returns logits, also waits for the device)."""
 
     states: dict[int, Any] = attrs.field(factory=dict)
     snapshot: payloads.Payload | None = None
@@ -105,6 +108,13 @@ class Outcome:
     stopped: set[int] = attrs.field(factory=set)
     ended: list[Live] = attrs.field(factory=list)
     error: BaseException | None = None
+    phases: dict[str, float] = attrs.field(factory=dict)
+
+
+PHASES = ("release", "restore", "forward", "keep", "decode")
+"""A step's phases, in order: give states back, restore kept states, the prefill chunk,
+the keep's snapshot, the decode round (with its sampling); executor.metrics.STEP_PHASES
+names the same (a test checks)."""
 
 
 class Stepper:
@@ -124,14 +134,20 @@ class Stepper:
         out = Outcome()
         t0 = time.perf_counter()
         try:
-            for state in plan.releases:
-                payloads.release(self.backend, state)
+            if plan.releases:
+                for state in plan.releases:
+                    payloads.release(self.backend, state)
+                self._lap(out, "release", t0)
             for stream, entry, live in plan.restores:
+                t = time.perf_counter()
                 out.states[stream] = payloads.restore(self.backend, entry.payload)
+                self._lap(out, "restore", t)
                 self._first_token(stream, live, entry.payload.logits, out)
             if plan.step.prefill is not None:
                 self._prefill(plan, out)
-            self._decode(plan, out)
+            t = time.perf_counter()
+            if self._decode(plan, out):
+                self._lap(out, "decode", t)
         except Exception as exc:
             out.error = exc
             return out
@@ -140,39 +156,51 @@ class Stepper:
             self.rows_s = (time.perf_counter() - t0) / run.chunk.rows
         return out
 
+    @staticmethod
+    def _lap(out: Outcome, phase: str, since: float) -> None:
+        out.phases[phase] = out.phases.get(phase, 0.0) + time.perf_counter() - since
+
     def _prefill(self, plan: Plan, out: Outcome) -> None:
         run = plan.step.prefill
         assert run is not None and plan.prefill_ids is not None
         state = plan.prefill_state
         if state is None:
             if run.restore is not None:
+                t = time.perf_counter()
                 state = payloads.restore(self.backend, run.restore.payload)
+                self._lap(out, "restore", t)
             else:
                 assert run.chunk.start == 0, "a pass that resumes needs a state"
                 state = self.backend.new_state()
             out.states[run.stream] = state
         tail = {"tail_from": run.tail_from} if self._takes_tail and run.tail_from is not None else {}
+        t = time.perf_counter()
         logits = self.backend.prefill(state, plan.prefill_ids, (run.chunk.start, run.chunk.end),
                                       want_logits=run.chunk.reads_logits, **tail)
+        self._lap(out, "forward", t)
         if run.keep is not None:
+            t = time.perf_counter()
             out.snapshot = payloads.snapshot(self.backend, state, logits if run.keep.with_logits else None)
+            self._lap(out, "keep", t)
         live = plan.prefill_live
         if live is not None and run.chunk.reads_logits and live.job.max_tokens > 0:
             self._first_token(run.stream, live, logits, out)
 
-    def _decode(self, plan: Plan, out: Outcome) -> None:
+    def _decode(self, plan: Plan, out: Outcome) -> bool:
+        """The decode round of the plan's lanes (False when there is none)."""
         lanes = []
         for stream, live, state in plan.decodes:
             if live.ended:  # ended by its first token, at max_tokens: the commit finishes it
                 continue
             lanes.append((stream, live, state))
         if not lanes:
-            return
+            return False
         logits = self.backend.decode([s for _, _, s in lanes], [lv.tokens[-1] for _, lv, _ in lanes])
         for i, (stream, live, _) in enumerate(lanes):
             self._take(live, sample(logits[i], live.job.sampling, live.rng), out)
             if live.stop_seen:
                 out.stopped.add(stream)
+        return True
 
     def _first_token(self, stream: int, live: Live, logits: np.ndarray | None, out: Outcome) -> None:
         if logits is None:

@@ -68,9 +68,11 @@ def test_both_cases_abba_on_the_tiny_model(tmp_path):
             assert first["prompt_tokens"] < GRID == first["continuation_rows"]
         else:
             assert first["prompt_tokens"] == 100 < first["continuation_rows"]
+        assert first["phases_ms"]["forward"] > 0 and first["phases_ms"]["decode"] > 0, first["phases_ms"]
         if run["server"] == "A":  # resumed exactly where the warm pass stopped: the next message's start
             assert second["cached_tokens"] == first["continuation_rows"]
             assert first["warm"]["started"] == first["warm"]["finished"] == 1 and first["warm_settled"]
+            assert second["phases_ms"]["restore"] > 0 and second["phases_ms"]["keep"] > 0, second["phases_ms"]
         else:
             assert second["cached_tokens"] == 0 and "warm" not in first
     for case in ("on-grid", "off-grid"):
@@ -78,6 +80,7 @@ def test_both_cases_abba_on_the_tiny_model(tmp_path):
             turns = [r["turns"][k] for r in runs if r["case"] == case]
             assert len({(t["token_sha256"], t["output_sha256"], t["prompt_sha256"]) for t in turns}) == 1
     assert "qualified: true" in proc.stdout and "PASS  continuation_on_grid" in proc.stdout
+    assert "host ms per step phase" in proc.stdout and "restore ms" in proc.stdout
     assert receipt["environment"]["commit"] and sorted(p.name for p in (tmp_path / "traces").glob("*.log")) == [
         "1-A.log", "2-B.log", "3-B.log", "4-A.log"]
 

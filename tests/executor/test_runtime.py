@@ -256,6 +256,37 @@ def test_prefill_only_and_full_hit(model):
     assert not any(e["kind"] == "request_finished" and e["reason"] == "cancelled" for e in events)
 
 
+def test_step_phases_are_timed_into_metrics(model):
+    """/metrics' warmstate_step_phase_seconds_total{phase}: a cold reply times its forward,
+    keep and decode phases, a full hit its restore; every count only grows."""
+    import re
+
+    from executor import metrics, stepper
+
+    assert stepper.PHASES == metrics.STEP_PHASES
+    _, tok, _ = model
+
+    async def jobs(runtime, trace):
+        def phases():
+            text = runtime.metrics_text().decode()
+            return {p: float(re.search(rf'warmstate_step_phase_seconds_total{{phase="{p}"}} (\S+)', text).group(1))
+                    for p in stepper.PHASES}
+
+        seen = [phases()]
+        await _collect(runtime.submit(_job(tok, max_tokens=3)))
+        seen.append(phases())
+        hit = await _collect(runtime.submit(_job(tok, max_tokens=3)))
+        seen.append(phases())
+        return seen, hit[1]
+
+    (seen, hit), _ = _run_jobs(model, _ids(tok, "hey there friend"), jobs)
+    zero, cold, after = seen
+    assert set(zero.values()) == {0.0}
+    assert cold["forward"] > 0 and cold["keep"] > 0 and cold["decode"] > 0, cold
+    assert hit.cached_tokens == hit.prompt_tokens and after["restore"] > 0, after
+    assert all(after[p] >= cold[p] for p in stepper.PHASES)
+
+
 def test_cancel_mid_prefill_frees_the_lane_within_one_chunk(model):
     _, tok, _ = model
     long_text = ("<|im_start|>system\n" + "rule " * 40 + "<|im_end|>\n<|im_start|>user\n" + "word " * 300
