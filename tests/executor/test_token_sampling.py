@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor.sampling import SamplingParams, new_rng, sample, top_logprobs
 from tests.helpers import assert_close
@@ -58,3 +60,52 @@ def test_top_logprobs():
 def test_bad_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+class _Fixed:
+    """An rng stub whose one uniform is `u`."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def _full_sort_sample(logits, params, u):
+    """The nucleus by a stable sort of the whole vocabulary (the definition `sample` keeps)."""
+    scaled = np.asarray(logits, np.float64) / params.temperature
+    probs = np.exp(scaled - scaled.max())
+    if params.top_p >= 1.0:
+        cumulative = np.cumsum(probs)
+        return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), probs.size - 1))
+    order = np.argsort(-probs, kind="stable")
+    cumulative = np.cumsum(probs[order])
+    keep = min(int(np.searchsorted(cumulative, params.top_p * probs.sum(), side="left")) + 1, probs.size)
+    kept = cumulative[:keep] / cumulative[keep - 1]
+    return int(order[min(int(np.searchsorted(kept, u, side="right")), keep - 1)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    logits=st.lists(st.sampled_from([-30.0, -3.0, -1.0, 0.0, 0.5, 2.0, 2.0, 7.5]) | st.floats(-40, 40, width=32),
+                    min_size=1, max_size=300),
+    temperature=st.sampled_from([0.05, 0.3, 1.0, 2.5]),
+    top_p=st.sampled_from([1e-6, 0.1, 0.5, 0.9, 0.999, 1.0]),
+    u=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_nucleus_candidates_pick_what_a_full_sort_picks(logits, temperature, top_p, u):
+    """`sample` sorts only the tokens above a probability (NUCLEUS_SPANS); for every draw
+    u it picks the token a stable sort of the whole vocabulary picks (ties included)."""
+    x = np.asarray(logits, np.float32)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    assert sample(x, params, _Fixed(u)) == _full_sort_sample(x, params, u)
+
+
+def test_nucleus_of_a_large_vocabulary_matches_the_full_sort():
+    rng = np.random.default_rng(5)
+    for scale, top_p in ((10.0, 0.9), (3.0, 0.5), (1.0, 0.2)):
+        x = (rng.standard_normal(248_320) * scale).astype(np.float32)
+        params = SamplingParams(temperature=0.7, top_p=top_p)
+        for u in (0.0, 0.37, 0.999):
+            assert sample(x, params, _Fixed(u)) == _full_sort_sample(x, params, u)
