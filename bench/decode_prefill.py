@@ -379,14 +379,14 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     chosen = backend.prefill_attention
     for rows in prefill_rows:
         for path in cfg.prefill_attention or (chosen,):
-            backend.prefill_attention = path
+            backend.set_prefill_attention(path, after_prefill=True)
             prefill_ours(backend, min(rows, 1024), cfg, False)  # this path's kernels compiled and warm
             r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
             r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
             r["attention"] = path
             result["prefill"].append(r)
             log(f"{name} prefill {rows} ({path} attention): TTFT {r['ttft_s']:.3f} s")
-    backend.prefill_attention = chosen
+    backend.set_prefill_attention(chosen, after_prefill=True)
     backend.pool = None
     del backend
     gc.collect()

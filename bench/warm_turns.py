@@ -145,7 +145,7 @@ class Server:
 
     def phase_seconds(self) -> dict[str, float]:
         """Host seconds the server's steps spent in each phase so far (/metrics'
-        warmstate_step_phase_seconds_total: restore, forward, keep, decode, release)."""
+        warmstate_step_phase_seconds_total: restore, forward, keep, decode, sample, release)."""
         samples = self._samples()
         return {p: float(samples.get(f'warmstate_step_phase_seconds_total{{phase="{p}"}}', 0)) for p in STEP_PHASES}
 

@@ -13,7 +13,7 @@ from policy import events as ev
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-STEP_PHASES = ("release", "restore", "forward", "keep", "decode")
+STEP_PHASES = ("release", "restore", "forward", "keep", "decode", "sample")
 """The phases of step_phase_seconds (the same as executor.stepper.PHASES)."""
 _WARM_EVENTS = {
     ev.WarmScheduled: "scheduled",
@@ -35,7 +35,7 @@ class Metrics:
     store_bytes / store_entries: the prompt cache now. evictions_total{how}: ghost or freed.
     lanes_busy: admitted foreground requests. queue_waiting: requests waiting for a lane.
     step_phase_seconds_total{phase}: host seconds the backend worker spent in each phase
-    of its steps (executor.stepper.PHASES: release, restore, forward, keep, decode).
+    of its steps (executor.stepper.PHASES: release, restore, forward, keep, decode, sample).
     """
 
     def __init__(self) -> None:

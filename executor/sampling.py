@@ -58,7 +58,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     and exactly one uniform u is drawn per token, so a seed fixes the whole reply.
     top_p = 1: the first token in id order whose cumulative mass exceeds u of the total.
     top_p < 1: the nucleus is the shortest head of the tokens sorted by probability (ties
-    by lower id) whose cumulative mass reaches top_p of the total (summed in id order),
+    by lower id) whose cumulative mass reaches top_p of the total (np.sum of p),
     renormalised, and u picks in that order. Cost: a few passes over the vocabulary and a
     sort of the candidates of NUCLEUS_SPANS (a set of tokens above a probability is a
     prefix of the sorted order, ties included), not of the whole vocabulary.

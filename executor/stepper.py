@@ -111,10 +111,10 @@ class Outcome:
     phases: dict[str, float] = attrs.field(factory=dict)
 
 
-PHASES = ("release", "restore", "forward", "keep", "decode")
-"""A step's phases, in order: give states back, restore kept states, the prefill chunk,
-the keep's snapshot, the decode round (with its sampling); executor.metrics.STEP_PHASES
-names the same (a test checks)."""
+PHASES = ("release", "restore", "forward", "keep", "decode", "sample")
+"""A step's phases: give states back, restore kept states, the prefill chunk, the keep's
+snapshot, the decode round (the backend call), and every token pick with its text (first
+tokens and decode lanes); executor.metrics.STEP_PHASES names the same (a test checks)."""
 
 
 class Stepper:
@@ -145,9 +145,7 @@ class Stepper:
                 self._first_token(stream, live, entry.payload.logits, out)
             if plan.step.prefill is not None:
                 self._prefill(plan, out)
-            t = time.perf_counter()
-            if self._decode(plan, out):
-                self._lap(out, "decode", t)
+            self._decode(plan, out)
         except Exception as exc:
             out.error = exc
             return out
@@ -195,17 +193,23 @@ class Stepper:
             lanes.append((stream, live, state))
         if not lanes:
             return False
+        t = time.perf_counter()
         logits = self.backend.decode([s for _, _, s in lanes], [lv.tokens[-1] for _, lv, _ in lanes])
+        self._lap(out, "decode", t)
+        t = time.perf_counter()
         for i, (stream, live, _) in enumerate(lanes):
             self._take(live, sample(logits[i], live.job.sampling, live.rng), out)
             if live.stop_seen:
                 out.stopped.add(stream)
+        self._lap(out, "sample", t)
         return True
 
     def _first_token(self, stream: int, live: Live, logits: np.ndarray | None, out: Outcome) -> None:
         if logits is None:
             raise ValueError("the first token needs the last prompt row's logits")
+        t = time.perf_counter()
         self._take(live, sample(logits, live.job.sampling, live.rng), out)
+        self._lap(out, "sample", t)
         if live.stop_seen:  # the scheduler finishes it with "stop" in this step's commit
             out.stopped.add(stream)
 

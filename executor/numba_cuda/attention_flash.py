@@ -65,7 +65,10 @@ def kernel(head_dim: int, warps: int | None = None):
         "int32(int64, int64, int64, int64, int64, int64, int64, int64, int64, float32)",
     )
 
-    @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, 8 // warps))
+    # lto: without nvJitLink the device function would be called through the ABI, not
+    # inlined (ptxas: ~600 bytes of spills at head_dim 256), so numba raises here instead
+    # and the backend passes over this path (`NumbaCudaBackend.attention_failures`)
+    @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, 8 // warps), lto=True)
     def flash_kernel(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale):
         device_fn(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale)
 
@@ -76,14 +79,17 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
-    q: f32 device [rows, q_heads, head_dim] (after QK-norm and RoPE), C-contiguous; qg: f32
-    [rows, q_heads * 2 * head_dim] (q_proj output; gate halves read); kcache, vcache:
-    uint16 (bf16) [slots, capacity, kv_heads, head_dim], C-contiguous (one layer; rows
-    [0, start + rows) written, rows up to the next multiple of BLOCK_KEYS finite).
-    Returns uint16 (bf16) [rows, q_heads * head_dim]. Raises ValueError on mismatched
-    shapes, non-contiguous arrays, a head_dim not in WARPS or rows past the capacity.
-    warps: warps a CTA (default: WARPS[head_dim], 4 at head_dim 256 for at most
-    SHORT_VIRTUAL_ROWS virtual rows; benchmarks try the others of VARIANTS).
+    q: f32 device [rows, q_heads, head_dim] (after QK-norm and RoPE), C-contiguous, 8-byte
+    aligned; qg: f32 [rows, q_heads * 2 * head_dim] (q_proj output; gate halves read),
+    C-contiguous, 8-byte aligned; kcache, vcache: uint16 (bf16) [slots, capacity, kv_heads,
+    head_dim], C-contiguous, 16-byte aligned (one layer; rows [0, start + rows) written, rows
+    up to the next multiple of BLOCK_KEYS finite: the pool zeroes its caches); out: None or
+    uint16 [rows, q_heads * head_dim], C-contiguous, 4-byte aligned; stream: a numba
+    stream or 0. warps: warps a CTA (default: WARPS[head_dim], 4 at head_dim 256 for at
+    most SHORT_VIRTUAL_ROWS virtual rows; benchmarks try the others of VARIANTS).
+    Returns out. Raises ValueError naming the argument on a wrong shape, dtype, layout or
+    alignment, a negative start, rows past the capacity, or a (head_dim, warps) not in
+    VARIANTS; RuntimeError where the kernel cannot run (`unavailable`).
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -95,12 +101,25 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
         raise ValueError(f"q {q.shape} does not fit the caches {kcache.shape} / {vcache.shape}")
     if tuple(qg.shape) != (rows, q_heads * 2 * head_dim):
         raise ValueError(f"qg {qg.shape} must be [{rows}, {q_heads * 2 * head_dim}]")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
     if not 0 <= slot < slots or -(-(start + rows) // BLOCK_KEYS) * BLOCK_KEYS > capacity:
         raise ValueError(f"slot {slot} / rows [{start}, {start + rows}) do not fit the capacity {capacity} "
                          f"(keys are read in blocks of {BLOCK_KEYS})")
-    for name, array in (("q", q), ("qg", qg), ("kcache", kcache), ("vcache", vcache)):
+    if out is not None:
+        check("out", out, np.uint16, 2)
+        if tuple(out.shape) != (rows, q_heads * head_dim):
+            raise ValueError(f"out {out.shape} must be [{rows}, {q_heads * head_dim}]")
+    for name, array, align in (("q", q, 8), ("qg", qg, 8), ("kcache", kcache, 16), ("vcache", vcache, 16),
+                               ("out", out, 4)):
+        if array is None:
+            continue
         if not array.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous")
+        if array.size and not IS_SIMULATOR and device_pointer(array) % align:
+            raise ValueError(f"{name} must be {align}-byte aligned")
+    if IS_SIMULATOR:
+        raise RuntimeError(f"fused prefill attention: {unavailable(head_dim)}")
     group = q_heads // kv_heads
     if warps is None:
         warps = 4 if head_dim == 256 and rows * group <= SHORT_VIRTUAL_ROWS else WARPS.get(head_dim)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import structlog
 
 from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_rule, device_weights,
@@ -42,6 +43,8 @@ every state byte the same bits) and, for the GEMMs at real Qwen3.5 shapes, by th
 sweep of bench/gpu_kernels.py (the pinned cuBLASLt algorithms give each row the same bits
 at every row count tried, 1 to 8192)."""
 
+
+log = structlog.get_logger(__name__)
 
 PREFILL_ATTENTION_PATHS = ("flash", "matrix", "cuda-core")
 """The prefill attention paths, fastest first (NumbaCudaBackend.prefill_attention)."""
@@ -88,6 +91,7 @@ class NumbaCudaBackend:
         self.gemm = Gemm()
         self.matrix_attention = MatrixAttention()
         self._prefill_attention: str | None = None
+        self._prefilled = False
         self.attention_failures: dict[str, str] = {}
         """Why a prefill attention path was passed over when choosing (path -> reason)."""
         forced = os.environ.get(PREFILL_ATTENTION_ENV)
@@ -108,22 +112,50 @@ class NumbaCudaBackend:
     def prefill_attention(self) -> str:
         """Which prefill attention runs, decided once on first use (or set before the first
         prefill, or by the WARMSTATE_PREFILL_ATTENTION environment variable): "flash" (the
-        fused tensor-core kernel of attention_flash.py) when it compiles and runs at this
-        head_dim, else "matrix" (cuBLASLt tensor cores, attention_mm.py) when both its GEMMs
-        have a pinned invariant algorithm, else "cuda-core" (attention.py). The three give
-        different bits, so one backend never mixes them. `attention_failures` says why a
-        path was passed over."""
+        fused tensor-core kernel of attention_flash.py) when it compiles (with link-time
+        optimisation) and passes its probe at this head_dim, else "matrix" (cuBLASLt tensor
+        cores, attention_mm.py) when both its GEMMs have a pinned invariant algorithm, else
+        "cuda-core" (attention.py). The three give different bits, so once a prefill ran the
+        path is fixed (`set_prefill_attention(..., after_prefill=True)` is for benchmarks,
+        which time paths side by side). `attention_failures` says why a path was passed over.
+        Setting it raises ValueError for an unknown path or one that cannot run here (an
+        invalid WARMSTATE_PREFILL_ATTENTION raises from the constructor)."""
         if self._prefill_attention is None:
             self._prefill_attention = self._choose_prefill_attention()
+            log.info("prefill_attention", path=self._prefill_attention, passed_over=self.attention_failures)
         return self._prefill_attention
 
     @prefill_attention.setter
     def prefill_attention(self, path: str) -> None:
+        self.set_prefill_attention(path)
+
+    def set_prefill_attention(self, path: str, *, after_prefill: bool = False) -> None:
+        """Choose the prefill attention path (see `prefill_attention`). Raises ValueError for
+        an unknown path, one that cannot run here, or a change after a prefill ran unless
+        after_prefill (benchmarks only: states already computed keep the old path's bits)."""
         if path not in PREFILL_ATTENTION_PATHS:
             raise ValueError(f"prefill attention {path!r} is not one of {PREFILL_ATTENTION_PATHS}")
+        if self._prefilled and path != self._prefill_attention and not after_prefill:
+            raise ValueError(f"prefill attention is {self._prefill_attention!r} and a prefill ran: states already "
+                             f"computed would not match {path!r} bit for bit")
         if path == "matrix" and not self.matrix_attention.ready(self.config.head_dim):
             raise ValueError(f"matrix prefill attention is unavailable: {self.matrix_attention.failure}")
+        if path == "flash":
+            why = attention_flash.unavailable(self.config.head_dim)
+            if why is None:
+                try:
+                    attention_flash.probe(self.config.head_dim)
+                except Exception as exc:  # noqa: BLE001 - name why it cannot run
+                    why = f"{type(exc).__name__}: {exc}"
+            if why is not None:
+                raise ValueError(f"flash prefill attention is unavailable: {why}")
         self._prefill_attention = path
+
+    def _prefill_path(self) -> str:
+        """The prefill attention path for this prefill (fixed from now on)."""
+        path = self.prefill_attention
+        self._prefilled = True
+        return path
 
     def _choose_prefill_attention(self) -> str:
         head_dim = self.config.head_dim
@@ -200,9 +232,9 @@ class NumbaCudaBackend:
         if at is None:
             out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, 1, attention.DECODE_SPLIT_ROWS,
                                       stream=stream)
-        elif self.prefill_attention == "flash":
+        elif self._prefill_path() == "flash":
             out = attention_flash.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
-        elif self.prefill_attention == "matrix":
+        elif self._prefill_attention == "matrix":
             out = self.matrix_attention.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
         else:
             out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, attention.TILE_ROWS,

@@ -98,7 +98,8 @@ def swiglu(gate_up, out=None, stream=0):
     """out = bf16(silu(gate) * up) where gate_up = [gate | up] per row.
 
     gate_up: f32 device [rows, 2 * inter] (the fused gate_proj|up_proj GEMM output);
-    returns uint16 (bf16) [rows, inter]. When inter % 4 == 0 and both arrays are
+    out: None or uint16 [rows, inter]; returns out. Raises ValueError naming the argument
+    on a wrong dtype, rank or shape. When inter % 4 == 0 and both arrays are
     C-contiguous a thread takes four columns with 16-byte loads (`_swiglu4_kernel`), else
     one; the same bits either way. Twin: ops.silu(gate) * up.
     """
@@ -107,6 +108,10 @@ def swiglu(gate_up, out=None, stream=0):
     if width % 2:
         raise ValueError(f"gate_up has an odd width {width}")
     inter = width // 2
+    if out is not None:
+        check("out", out, np.uint16, 2)
+        if tuple(out.shape) != (rows, inter):
+            raise ValueError(f"out {out.shape} must be [{rows}, {inter}]")
     out = empty((rows, inter), np.uint16, stream) if out is None else out
     if not rows:
         return out

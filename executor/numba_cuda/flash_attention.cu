@@ -217,7 +217,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
                 for (int n = 0; n < ST; ++n) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float x = s[n][2 * r + e] * scale2;
+                        float x = __fmul_rn(s[n][2 * r + e], scale2);  // _rn: never fused, whatever the path
                         if (masked && b * BN + n * 8 + 2 * t + e > pos[r]) x = NEG_INF;
                         s[n][2 * r + e] = x;
                         top = fmaxf(top, x);
@@ -226,18 +226,19 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
                 top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
                 top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
                 const float fresh = fmaxf(m[r], top);
-                alpha[r] = exp2_approx(m[r] - fresh);  // exactly 1 when the max holds
+                alpha[r] = exp2_approx(__fsub_rn(m[r], fresh));  // exactly 1 when the max holds
                 m[r] = fresh;
                 float total = 0.0f;
 #pragma unroll
                 for (int n = 0; n < ST; ++n) {
-                    const u32 p = pack2(exp2_approx(s[n][2 * r] - fresh), exp2_approx(s[n][2 * r + 1] - fresh));
+                    const u32 p = pack2(exp2_approx(__fsub_rn(s[n][2 * r], fresh)),
+                                        exp2_approx(__fsub_rn(s[n][2 * r + 1], fresh)));
                     total += __uint_as_float(p << 16);
                     total += __uint_as_float(p & 0xFFFF0000u);
                     // A fragment of P for k-step n / 2: a0/a1 rows g / g+8 keys 2t.., a2/a3 keys 8+2t..
                     pf[n / 2][(n % 2) * 2 + r] = p;
                 }
-                l[r] = l[r] * alpha[r] + total;
+                l[r] = __fadd_rn(__fmul_rn(l[r], alpha[r]), total);
             }
             // O *= alpha, skipped when every row of the warp kept its max (alpha = 1: the same bits)
             if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {

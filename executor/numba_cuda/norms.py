@@ -82,14 +82,17 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def warp_sum(value, scratch):
-        """The sum of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
+        """The sum of `value` over the warp's 32 lanes (xor butterfly); every lane gets it.
+        scratch: shared f32 [warps of the block, 32], used only by the simulator's twin,
+        which synchronises the block: every thread of the block must call it."""
         for step in (16, 8, 4, 2, 1):
             value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
         return value
 
     @cuda.jit(device=True, inline=True)
     def warp_max(value, scratch):
-        """The max of `value` over the warp's 32 lanes (xor butterfly); every lane gets it."""
+        """The max of `value` over the warp's 32 lanes (xor butterfly); every lane gets it.
+        scratch and callers: as `warp_sum`."""
         for step in (16, 8, 4, 2, 1):
             value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, step))
         return value

@@ -95,8 +95,9 @@ class StatePool:
     recurrent: f32 [linear_layers, slots, value_heads, key_dim, value_dim]
     conv: bf16 [linear_layers, slots, kernel - 1, conv_channels]
     keys, values: bf16 [full_layers, slots, padded(capacity_rows), kv_heads, head_dim],
-    zeroed at start (attention_mm runs its GEMMs over whole 256-key tiles, reading rows past
-    a chunk with zero weight: they must be finite, and they are, once zeroed or written)
+    zeroed at start (attention_mm runs its GEMMs over whole 256-key tiles and the fused
+    attention_flash reads whole 32-key blocks, both reading rows past a chunk with zero
+    weight: they must be finite, and they are, once zeroed or written)
     """
 
     def __init__(self, config: Qwen35Config, slots: int, capacity_rows: int) -> None:

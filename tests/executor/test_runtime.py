@@ -282,7 +282,7 @@ def test_step_phases_are_timed_into_metrics(model):
     (seen, hit), _ = _run_jobs(model, _ids(tok, "hey there friend"), jobs)
     zero, cold, after = seen
     assert set(zero.values()) == {0.0}
-    assert cold["forward"] > 0 and cold["keep"] > 0 and cold["decode"] > 0, cold
+    assert cold["forward"] > 0 and cold["keep"] > 0 and cold["decode"] > 0 and cold["sample"] > 0, cold
     assert hit.cached_tokens == hit.prompt_tokens and after["restore"] > 0, after
     assert all(after[p] >= cold[p] for p in stepper.PHASES)
 

@@ -142,8 +142,16 @@ def test_prefill_attention_choice_and_flash_input_errors():
         assert "head_dim 48" in attention_flash.unavailable(48)
     with pytest.raises(ValueError, match="head_dim 24"):
         attention_flash.kernel(24)
+    stub._prefill_attention, stub._prefilled = chosen, True
     with pytest.raises(ValueError, match="prefill attention 'fast'"):
-        NumbaCudaBackend.prefill_attention.fset(stub, "fast")
+        NumbaCudaBackend.set_prefill_attention(stub, "fast")
+    with pytest.raises(ValueError, match="a prefill ran"):  # states already computed keep their path's bits
+        NumbaCudaBackend.set_prefill_attention(stub, "cuda-core")
+    NumbaCudaBackend.set_prefill_attention(stub, "cuda-core", after_prefill=True)  # benchmarks only
+    assert stub._prefill_attention == "cuda-core"
+    if IS_SIMULATOR:
+        with pytest.raises(ValueError, match="flash prefill attention is unavailable: the CUDA simulator"):
+            NumbaCudaBackend.set_prefill_attention(stub, "flash", after_prefill=True)
     r = rng()
     _, _, kc, vc = _setup(r, 4, 2, 16, capacity=256)
     q = to_device(r.normal(size=(5, 4, 16)).astype(np.float32))
@@ -154,3 +162,10 @@ def test_prefill_attention_choice_and_flash_input_errors():
         attention_flash.prefill(q, to_device(qg), kc, vc, 1, 252)
     with pytest.raises(ValueError, match="slot 2"):
         attention_flash.prefill(q, to_device(qg), kc, vc, 2, 0)
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        attention_flash.prefill(q, to_device(qg), kc, vc, 1, -1)
+    with pytest.raises(ValueError, match="out"):
+        attention_flash.prefill(q, to_device(qg), kc, vc, 1, 3, out=to_device(np.zeros((5, 63), np.uint16)))
+    if IS_SIMULATOR:
+        with pytest.raises(RuntimeError, match="simulator"):
+            attention_flash.prefill(q, to_device(qg), kc, vc, 1, 3)

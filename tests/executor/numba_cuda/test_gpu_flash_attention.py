@@ -59,7 +59,8 @@ def test_flash_matches_twins(heads, kv_heads, head_dim, start, rows):
         assert_close("vs the matrix path", as_f32(mm), out, TOL, rel=True)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (16, 4, 256), (24, 4, 256)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 2, 32), (3, 3, 64), (8, 2, 128), (16, 4, 256),
+                                                    (24, 4, 256)])
 def test_flash_rows_invariant_across_chunks_cuts_and_tails(heads, kv_heads, head_dim):
     """A row's bits do not depend on its chunk: cuts on the 64-row grid, off it (37, 101),
     a one-row chunk and a tail give every row the bits of the one-chunk run."""
@@ -87,6 +88,21 @@ def test_flash_bits_do_not_depend_on_warps_per_cta(heads, kv_heads):
         assert np.array_equal(run, runs[-1]), f"{w} warps"
     assert 301 * heads // kv_heads <= attention_flash.SHORT_VIRTUAL_ROWS
     np.testing.assert_array_equal(_run(q, qg, kc, vc, 0, 100), runs[-1])
+
+
+def test_flash_at_a_capacity_of_exactly_the_blocks_it_reads():
+    """Keys [0, start + rows) in a cache of ceil32(start + rows) rows, the next slot NaN:
+    nothing past the slot is read (the bits equal those in a roomier cache)."""
+    r = rng()
+    start, rows, heads, kv_heads, head_dim = 20, 44, 16, 4, 256  # 64 rows: two 32-key blocks
+    kh, vh, _, _ = _setup(r, heads, kv_heads, head_dim, capacity=64, slots=2)
+    kh[1], vh[1] = 0x7FC0, 0x7FC0  # NaN in the slot after the one read
+    q, qg = _inputs(r, rows, heads, head_dim)
+    tight = _run(q, qg, to_device(kh), to_device(vh), 0, start)
+    roomy_k = np.zeros((1, 256, kv_heads, head_dim), np.uint16)
+    roomy_v = np.zeros_like(roomy_k)
+    roomy_k[0, :64], roomy_v[0, :64] = kh[0], vh[0]
+    np.testing.assert_array_equal(tight, _run(q, qg, to_device(roomy_k), to_device(roomy_v), 0, start))
 
 
 def test_flash_depends_on_the_key_blocks_it_reads():
