@@ -23,6 +23,9 @@ token_sha256: the reply's token ids as ASCII decimals joined by ","; output_sha2
 UTF-8 JSON `[reasoning, content]` as streamed; prompt_sha256: the client-rendered prompt
 ids. TTFT: request sent to the first SSE chunk carrying a token id. prefill_s: first
 chunk_started to last chunk_done of the request in the trace (servers started here only).
+phases_ms: host ms the server's steps spent in each phase while the turn ran (/metrics'
+warmstate_step_phase_seconds_total: restore, forward, keep, decode, sample, release),
+printed as a second table: where a turn's prefill time goes.
 
     python bench/warm_turns.py --server-args "--random-weights qwen3.5-27b --backend cuda" \\
         --repeat 2 --json out.json     # cache-on (A) and cache-off (B) servers, A B B A
