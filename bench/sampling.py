@@ -18,7 +18,9 @@ import numpy as np
 from executor.sampling import SamplingParams, sample
 
 
-class _Fixed:
+class FixedDraw:
+    """An rng stand-in whose one uniform is `u` (the same draw for both ways)."""
+
     def __init__(self, u: float) -> None:
         self.u = u
 
@@ -27,7 +29,9 @@ class _Fixed:
 
 
 def full_sort_sample(logits: np.ndarray, params: SamplingParams, u: float) -> int:
-    """The nucleus by a stable sort of every token (ties by id); top_p = 1 in id order."""
+    """The token `executor.sampling.sample` must pick for draw u, by its definition: the
+    nucleus from a stable sort of every token (ties by lower id); top_p = 1 in id order.
+    The reference of bench.sampling and of tests/executor/test_token_sampling.py."""
     scaled = np.asarray(logits, np.float64) / params.temperature
     probs = np.exp(scaled - scaled.max())
     if params.top_p >= 1.0:
@@ -54,7 +58,7 @@ def run(vocab: int, draws: int, scales: tuple[float, ...], seed: int = 0) -> lis
                 t0 = time.perf_counter()
                 a = full_sort_sample(logits, params, u)
                 t1 = time.perf_counter()
-                b = sample(logits, params, _Fixed(u))
+                b = sample(logits, params, FixedDraw(u))
                 t2 = time.perf_counter()
                 times["full"].append(t1 - t0)
                 times["ours"].append(t2 - t1)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.sampling import FixedDraw, full_sort_sample
 from executor.sampling import SamplingParams, new_rng, sample, top_logprobs
 from tests.helpers import assert_close
 
@@ -62,30 +63,6 @@ def test_bad_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-class _Fixed:
-    """An rng stub whose one uniform is `u`."""
-
-    def __init__(self, u: float) -> None:
-        self.u = u
-
-    def random(self) -> float:
-        return self.u
-
-
-def _full_sort_sample(logits, params, u):
-    """The nucleus by a stable sort of the whole vocabulary (the definition `sample` keeps)."""
-    scaled = np.asarray(logits, np.float64) / params.temperature
-    probs = np.exp(scaled - scaled.max())
-    if params.top_p >= 1.0:
-        cumulative = np.cumsum(probs)
-        return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), probs.size - 1))
-    order = np.argsort(-probs, kind="stable")
-    cumulative = np.cumsum(probs[order])
-    keep = min(int(np.searchsorted(cumulative, params.top_p * probs.sum(), side="left")) + 1, probs.size)
-    kept = cumulative[:keep] / cumulative[keep - 1]
-    return int(order[min(int(np.searchsorted(kept, u, side="right")), keep - 1)])
-
-
 @settings(max_examples=300, deadline=None)
 @given(
     logits=st.lists(st.sampled_from([-30.0, -3.0, -1.0, 0.0, 0.5, 2.0, 2.0, 7.5]) | st.floats(-40, 40, width=32),
@@ -99,7 +76,7 @@ def test_nucleus_candidates_pick_what_a_full_sort_picks(logits, temperature, top
     u it picks the token a stable sort of the whole vocabulary picks (ties included)."""
     x = np.asarray(logits, np.float32)
     params = SamplingParams(temperature=temperature, top_p=top_p)
-    assert sample(x, params, _Fixed(u)) == _full_sort_sample(x, params, u)
+    assert sample(x, params, FixedDraw(u)) == full_sort_sample(x, params, u)
 
 
 def test_nucleus_of_a_large_vocabulary_matches_the_full_sort():
@@ -108,4 +85,4 @@ def test_nucleus_of_a_large_vocabulary_matches_the_full_sort():
         x = (rng.standard_normal(248_320) * scale).astype(np.float32)
         params = SamplingParams(temperature=0.7, top_p=top_p)
         for u in (0.0, 0.37, 0.999):
-            assert sample(x, params, _Fixed(u)) == _full_sort_sample(x, params, u)
+            assert sample(x, params, FixedDraw(u)) == full_sort_sample(x, params, u)
