@@ -60,6 +60,8 @@ class BenchConfig:
     commit: str = ""
     prefill_attention: tuple[str, ...] = ()
     """Prefill attention paths to time side by side (empty: the backend's own choice)."""
+    prefill_delta: tuple[str, ...] = ()
+    """Prefill delta-rule paths to time side by side (empty: the backend's own choice)."""
 
 
 # rooflines --------------------------------------------------------------------------------
@@ -140,6 +142,7 @@ def _fresh_states(backend: NumbaCudaBackend, lanes: int, ctx: int, seed: int) ->
 
 KERNELS = ("elementwise.embed", "elementwise.swiglu", "norms.add_rms_norm", "norms.gated_rms_norm",
            "conv.causal_conv1d", "delta_rule.delta_prep", "delta_rule.delta_recurrence", "delta_chunked.delta_chunked",
+           "delta_mma.delta_mma",
            "attention_prep.kv_norm_rope_store", "attention_prep.q_norm_rope", "attention.attention",
            "attention_flash.prefill")
 
@@ -376,17 +379,21 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
             result["decode"].append(r)
             log(f"{name} decode ctx {ctx} lanes {lanes}: eager {r['eager_s'] * 1e3:.1f} ms, graph {r['graph_s'] * 1e3:.1f} ms "
                 f"(device {r['graph_device_s'] * 1e3:.1f} ms)")
-    chosen = backend.prefill_attention
+    chosen, chosen_delta = backend.prefill_attention, backend.prefill_delta
+    result["prefill_delta"] = {"kind": chosen_delta, "passed_over": backend.delta_failures}
     for rows in prefill_rows:
         for path in cfg.prefill_attention or (chosen,):
-            backend.set_prefill_attention(path, after_prefill=True)
-            prefill_ours(backend, min(rows, 1024), cfg, False)  # this path's kernels compiled and warm
-            r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
-            r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
-            r["attention"] = path
-            result["prefill"].append(r)
-            log(f"{name} prefill {rows} ({path} attention): TTFT {r['ttft_s']:.3f} s")
+            for delta in cfg.prefill_delta or (chosen_delta,):
+                backend.set_prefill_attention(path, after_prefill=True)
+                backend.set_prefill_delta(delta, after_prefill=True)
+                prefill_ours(backend, min(rows, 1024), cfg, False)  # these paths' kernels compiled and warm
+                r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
+                r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
+                r["attention"], r["delta"] = path, delta
+                result["prefill"].append(r)
+                log(f"{name} prefill {rows} ({path} attention, {delta} delta rule): TTFT {r['ttft_s']:.3f} s")
     backend.set_prefill_attention(chosen, after_prefill=True)
+    backend.set_prefill_delta(chosen_delta, after_prefill=True)
     backend.pool = None
     del backend
     gc.collect()
@@ -433,12 +440,14 @@ def tables(results: dict) -> str:
                      _ratio(peer, r["graph_s"], ".2f") + ("x" if peer else ""), _ratio(lanes, r["full_roof_s"], ".1f"),
                      _ratio(r["full_roof_s"], r["graph_s"], ".0%")]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
-    lines += ["", "| model | prompt rows | attention | ours TTFT s | ours rows/s | peer TTFT s | matrix roofline TTFT s | "
-              "ours / roofline | ours / peer |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | prompt rows | attention | delta rule | ours TTFT s | ours rows/s | peer TTFT s | "
+              "matrix roofline TTFT s | ours / roofline | ours / peer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["presets"].items():
         for r in p["prefill"]:
             peer = r.get("peer_ttft_s")
-            cells = [name, r["rows"], r.get("attention", "-"), f"{r['ttft_s']:.3f}", _ratio(r["rows"], r["ttft_s"], ".0f"),
+            cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), f"{r['ttft_s']:.3f}",
+                     _ratio(r["rows"], r["ttft_s"], ".0f"),
                      "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
                      _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
@@ -447,7 +456,8 @@ def tables(results: dict) -> str:
             for r in p[kind]:
                 if "profile" in r:
                     where = (f"ctx {r['ctx']} lanes {r['lanes']}" if kind == "decode"
-                             else f"{r['rows']} rows, {r.get('attention', '-')} attention")
+                             else f"{r['rows']} rows, {r.get('attention', '-')} attention, "
+                                  f"{r.get('delta', '-')} delta rule")
                     parts = ", ".join(f"{k} {v['ms']:.2f} ms ({v['calls']})" for k, v in r["profile"]["kernels"].items())
                     lines.append(f"\n{name} {kind} {where} (eager, device {r['profile']['step_ms']:.2f} ms): {parts}")
     return "\n".join(lines)
@@ -502,6 +512,9 @@ def main() -> None:
     parser.add_argument("--prefill-attention", default="",
                         help="prefill attention paths to time side by side, comma-separated, from "
                              "flash,matrix,cuda-core (default: the backend's choice)")
+    parser.add_argument("--prefill-delta", default="",
+                        help="prefill delta-rule paths to time side by side, comma-separated, from mma,cuda-core "
+                             "(default: the backend's choice)")
     args = parser.parse_args()
     changes = {"peer": not (args.no_peer or args.decode_only), "commit": args.commit}
     if args.decode_only:
@@ -519,6 +532,11 @@ def main() -> None:
         unknown = set(changes["prefill_attention"]) - {"flash", "matrix", "cuda-core"}
         if unknown:
             parser.error(f"--prefill-attention: unknown paths {sorted(unknown)} (flash, matrix, cuda-core)")
+    if args.prefill_delta:
+        changes["prefill_delta"] = tuple(args.prefill_delta.split(","))
+        unknown = set(changes["prefill_delta"]) - {"mma", "cuda-core"}
+        if unknown:
+            parser.error(f"--prefill-delta: unknown paths {sorted(unknown)} (mma, cuda-core)")
     cfg = attrs.evolve(defaults, **changes)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

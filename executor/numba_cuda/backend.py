@@ -6,7 +6,8 @@ Prefill GEMMs run on cuBLASLt with a pinned row-invariant algorithm at every row
 prefill attention on the tensor cores (attention_flash.py: one fused pass, mma.sync through a
 linked CUDA C++ device function; else attention_mm.py: pinned cuBLASLt QK^T and PV; a row's
 bits independent of its chunk and tile either way); the prefill delta rule in its chunked form with
-64-row sub-chunks at absolute multiples of 64 (delta_chunked.delta_chunked); decode GEMMs and
+64-row sub-chunks at absolute multiples of 64, on the tensor cores (delta_mma.py: tf32 mma.sync
+through linked CUDA C++; else delta_chunked.py on the CUDA cores); decode GEMMs and
 the LM head on the row-invariant GEMV at every lane count, the decode delta rule as the
 one-row recurrence. Every other kernel computes a row independently of the chunk or lane
 set, so prefill rows are chunk-invariant on the 64-row grid (`facts`). Wiring mirrors executor/reference/backend.py; the kernels live
@@ -24,8 +25,8 @@ import numpy as np
 import structlog
 
 from executor.config import FULL, Qwen35Config
-from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_rule, device_weights,
-                                 elementwise, norms)
+from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_mma, delta_rule,
+                                 device_weights, elementwise, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import columns, empty, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
@@ -50,6 +51,10 @@ PREFILL_ATTENTION_PATHS = ("flash", "matrix", "cuda-core")
 """The prefill attention paths, fastest first (NumbaCudaBackend.prefill_attention)."""
 PREFILL_ATTENTION_ENV = "WARMSTATE_PREFILL_ATTENTION"
 """Environment variable that forces one of PREFILL_ATTENTION_PATHS (A/B benchmarks)."""
+PREFILL_DELTA_PATHS = ("mma", "cuda-core")
+"""The prefill delta-rule paths, fastest first (NumbaCudaBackend.prefill_delta)."""
+PREFILL_DELTA_ENV = "WARMSTATE_PREFILL_DELTA"
+"""Environment variable that forces one of PREFILL_DELTA_PATHS (A/B benchmarks)."""
 
 
 def _i32(values) -> object:
@@ -94,9 +99,15 @@ class NumbaCudaBackend:
         self._prefilled = False
         self.attention_failures: dict[str, str] = {}
         """Why a prefill attention path was passed over when choosing (path -> reason)."""
+        self._prefill_delta: str | None = None
+        self.delta_failures: dict[str, str] = {}
+        """Why a prefill delta-rule path was passed over when choosing (path -> reason)."""
         forced = os.environ.get(PREFILL_ATTENTION_ENV)
         if forced:
             self.prefill_attention = forced
+        forced = os.environ.get(PREFILL_DELTA_ENV)
+        if forced:
+            self.set_prefill_delta(forced)
         self._graphs = None
 
     def enable_decode_graphs(self, lanes: int = 0) -> None:
@@ -172,6 +183,58 @@ class NumbaCudaBackend:
         self.attention_failures["matrix"] = self.matrix_attention.failure or "unavailable"
         return "cuda-core"
 
+    @property
+    def prefill_delta(self) -> str:
+        """Which prefill gated delta rule runs, decided once on first use (or set before the
+        first prefill, or by the WARMSTATE_PREFILL_DELTA environment variable): "mma" (the
+        tensor-core kernels of delta_mma.py) when they compile and pass their probe at this
+        model's key and value dims, else "cuda-core" (delta_chunked.py). Both are
+        chunk-invariant on the 64-row grid; their bits differ, so once a prefill ran the path
+        is fixed (`set_prefill_delta(..., after_prefill=True)` is for benchmarks).
+        `delta_failures` says why a path was passed over."""
+        if self._prefill_delta is None:
+            self._prefill_delta = self._choose_prefill_delta()
+            log.info("prefill_delta", path=self._prefill_delta, passed_over=self.delta_failures)
+        return self._prefill_delta
+
+    def set_prefill_delta(self, path: str, *, after_prefill: bool = False) -> None:
+        """Choose the prefill delta-rule path (see `prefill_delta`). Raises ValueError for an
+        unknown path, one that cannot run here, or a change after a prefill ran unless
+        after_prefill (benchmarks only: states already computed keep the old path's bits)."""
+        if path not in PREFILL_DELTA_PATHS:
+            raise ValueError(f"prefill delta rule {path!r} is not one of {PREFILL_DELTA_PATHS}")
+        if self._prefilled and path != self._prefill_delta and not after_prefill:
+            raise ValueError(f"prefill delta rule is {self._prefill_delta!r} and a prefill ran: states already "
+                             f"computed would not match {path!r} bit for bit")
+        if path == "mma":
+            why = self._delta_mma_failure()
+            if why is not None:
+                raise ValueError(f"mma prefill delta rule is unavailable: {why}")
+        self._prefill_delta = path
+
+    def _delta_mma_failure(self) -> str | None:
+        c = self.config
+        why = delta_mma.unavailable(c.linear_key_head_dim, c.linear_value_head_dim)
+        if why is None:
+            try:
+                delta_mma.probe(c.linear_key_head_dim, c.linear_value_head_dim)
+            except Exception as exc:  # noqa: BLE001 - no NVRTC / nvJitLink / mma here: the next path
+                why = f"{type(exc).__name__}: {exc}"
+        return why
+
+    def _choose_prefill_delta(self) -> str:
+        why = self._delta_mma_failure()
+        if why is None:
+            return "mma"
+        self.delta_failures["mma"] = why
+        return "cuda-core"
+
+    def _delta_path(self) -> str:
+        """The prefill delta-rule path for this prefill (fixed from now on)."""
+        path = self.prefill_delta
+        self._prefilled = True
+        return path
+
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs) -> "NumbaCudaBackend":
         return cls(load_weights(model_dir), **kwargs)
@@ -207,6 +270,9 @@ class NumbaCudaBackend:
         if at is None:  # decode: one row per lane, the recurrent step
             out = delta_rule.delta_recurrence(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, row_start, slots,
                                               self.pool.recurrent[li], stream=stream)
+        elif self._delta_path() == "mma":  # prefill: the chunked form on the tensor cores
+            out = delta_mma.delta_mma(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
+                                      self.pool.recurrent[li], stream=stream)
         else:  # prefill: the chunked form, sub-chunks anchored at absolute multiples of 64
             out = delta_chunked.delta_chunked(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
                                            self.pool.recurrent[li], stream=stream)

@@ -374,6 +374,30 @@ def _subchunk_offset(start_row: int) -> int:
     return start_row % SUBCHUNK_ROWS
 
 
+def check_chunk_args(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states) -> tuple[int, ...]:
+    """What the prefill delta rules (this one and delta_mma.delta_mma) require of their common
+    arguments (see `delta_chunked`): dtypes and ranks, q / k / state head shapes that fit, v
+    inside `mixed`, gates of [rows, value_heads], slot and start_row in range. Returns (rows,
+    key_heads, key_dim, value_heads, value_dim). Raises ValueError naming the argument."""
+    check("qn", qn, np.float32, 3)
+    check("kn", kn, np.float32, 3)
+    check("mixed", mixed, np.float32, 2)
+    check("g", g, np.float32, 2)
+    check("beta", beta, np.float32, 2)
+    check("states", states, np.float32, 4)
+    rows, key_heads, key_dim = qn.shape
+    slots, value_heads, _, value_dim = states.shape
+    if tuple(kn.shape) != tuple(qn.shape) or states.shape[2] != key_dim or value_heads % key_heads:
+        raise ValueError(f"qn {qn.shape} / kn {kn.shape} do not fit states {states.shape}")
+    if mixed.shape[0] != rows or mixed.shape[1] < v0 + value_heads * value_dim:
+        raise ValueError(f"mixed {mixed.shape} does not hold v at column {v0} for states {states.shape}")
+    if tuple(g.shape) != (rows, value_heads) or tuple(beta.shape) != (rows, value_heads):
+        raise ValueError(f"g {g.shape} / beta {beta.shape} do not fit {rows} rows of {value_heads} value heads")
+    if not 0 <= slot < slots or start_row < 0:
+        raise ValueError(f"slot {slot} of {slots} / start_row {start_row} out of range")
+    return rows, key_heads, key_dim, value_heads, value_dim
+
+
 def delta_chunked(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states, out=None, stream=0):
     """Run the gated delta rule over one stream's prefill chunk, advancing its state in place.
 
@@ -408,26 +432,12 @@ def delta_chunked(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, st
     Source: the UT transform of DeltaNet, as in FLA chunk_gated_delta_rule. Twin:
     ops.gated_delta_rule_chunked (float64 inside a sub-chunk; fp32 here agrees to ~1e-6).
     """
-    check("qn", qn, np.float32, 3)
-    check("kn", kn, np.float32, 3)
-    check("mixed", mixed, np.float32, 2)
-    check("g", g, np.float32, 2)
-    check("beta", beta, np.float32, 2)
-    check("states", states, np.float32, 4)
-    rows, key_heads, key_dim = qn.shape
-    slots, value_heads, _, value_dim = states.shape
-    if key_dim > MAX_KEY_DIM or tuple(kn.shape) != tuple(qn.shape) or states.shape[2] != key_dim or (
-        value_heads % key_heads
-    ):
-        raise ValueError(f"qn {qn.shape} / kn {kn.shape} do not fit states {states.shape}")
+    rows, key_heads, key_dim, value_heads, value_dim = check_chunk_args(qn, kn, mixed, v0, g, beta, start_row, slot,
+                                                                       states)
+    if key_dim > MAX_KEY_DIM:
+        raise ValueError(f"key_dim {key_dim} is over {MAX_KEY_DIM}")
     if tuple(qn.strides) != tuple(kn.strides) or tuple(qn.strides)[:2] != (4 * key_heads * key_dim, 4 * key_dim):
         raise ValueError(f"qn / kn must be contiguous, strides {qn.strides} / {kn.strides}")
-    if mixed.shape[0] != rows or mixed.shape[1] < v0 + value_heads * value_dim:
-        raise ValueError(f"mixed {mixed.shape} does not hold v at column {v0} for states {states.shape}")
-    if tuple(g.shape) != (rows, value_heads) or tuple(beta.shape) != (rows, value_heads):
-        raise ValueError(f"g {g.shape} / beta {beta.shape} do not fit {rows} rows of {value_heads} value heads")
-    if not 0 <= slot < slots or start_row < 0:
-        raise ValueError(f"slot {slot} of {slots} / start_row {start_row} out of range")
     out = empty((rows, value_heads, value_dim), np.float32, stream) if out is None else out
     if not rows:
         return out

@@ -13,8 +13,8 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from executor.numba_cuda import delta_chunked, delta_rule
-from executor.numba_cuda.device import poisoned, to_device
+from executor.numba_cuda import delta_chunked, delta_mma, delta_rule
+from executor.numba_cuda.device import IS_SIMULATOR, poisoned, to_device
 from executor.reference import ops
 from tests.executor.numba_cuda.kernel_support import host, rng
 from tests.helpers import assert_close
@@ -166,3 +166,43 @@ def test_delta_chunked_rejects_what_does_not_fit(field):
     gates = to_device(np.zeros((4, value_heads), np.float32))
     with pytest.raises(ValueError):
         delta_chunked.delta_chunked(qn, qn, mixed, 0, gates, gates, 0, 5 if field == "slot" else 0, states)
+
+
+def _mma_args(rows=4, key_heads=1, value_heads=2, key_dim=16, value_dim=8, v0=4):
+    states = to_device(np.zeros((2, value_heads, key_dim, value_dim), np.float32))
+    qk = to_device(np.zeros((rows, key_heads, key_dim), np.float32))
+    mixed = to_device(np.zeros((rows, v0 + value_heads * value_dim), np.float32))
+    gates = to_device(np.zeros((rows, value_heads), np.float32))
+    return [qk, qk, mixed, v0, gates, gates, 0, 0, states]
+
+
+@pytest.mark.parametrize("field, change, match", [
+    ("v0", {"v0": 3}, "v0 3"), ("per_block", {"per_block": 3}, "per_block"),
+    ("walk", {"walk": (16, 4)}, "walk"), ("split", {"split": 2}, "split"), ("slot", {"slot": 5}, "slot 5"),
+])
+def test_delta_mma_names_what_does_not_fit(field, change, match):
+    """The tensor-core delta rule checks its arguments before compiling anything (also under
+    the simulator, where it cannot run)."""
+    args = _mma_args(v0=change.get("v0", 4))
+    kwargs = {k: v for k, v in change.items() if k in ("per_block", "walk", "split")}
+    if field == "slot":
+        args[7] = change["slot"]
+    with pytest.raises(ValueError, match=match):
+        delta_mma.delta_mma(*args, **kwargs)
+
+
+def test_delta_mma_says_why_it_cannot_run():
+    assert "not in" in delta_mma.unavailable(136, 8)
+    if IS_SIMULATOR:
+        assert "simulator" in delta_mma.unavailable(128, 128)
+        with pytest.raises(RuntimeError, match="simulator"):
+            delta_mma.delta_mma(*_mma_args())
+    else:
+        assert delta_mma.unavailable(128, 128) is None
+
+
+def test_delta_mma_walk_shape_fills_the_gpu_in_one_wave():
+    assert delta_mma.walk_shape(128, 32) == (32, 8)  # 9B: 128 CTAs
+    assert delta_mma.walk_shape(128, 48) == (64, 8)  # 27B: 96 CTAs, not 192
+    assert delta_mma.walk_shape(128, 16) == (32, 8)
+    assert delta_mma.walk_shape(8, 4) == (8, 4)

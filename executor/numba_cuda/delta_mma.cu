@@ -1,0 +1,657 @@
+// The chunked gated delta rule of a prefill chunk on the tensor cores (tf32 mma.sync), written
+// for warmstate's exactness rules. Same math as delta_chunked.py (the CUDA-core path) and its
+// float64 twin ops.gated_delta_rule_chunked; the work is split the way FLA's
+// chunk_gated_delta_rule splits it (Yang, Kautz, Hatamizadeh, 2024, "Gated Delta Networks",
+// arXiv:2412.06464, section 3.3; fla-org/flash-linear-attention, ops/gated_delta_rule): what does
+// not depend on the state runs in parallel over sub-chunks, and only the state walk is serial.
+//
+// Per sub-chunk of C = 64 rows (anchored at absolute multiples of 64) and value head, with
+// c = cumsum(g) inside the sub-chunk:
+//   A  = strict_lower(beta_i (k_i . k_j) e^(c_i - c_j)),  T = (I + A)^-1
+//   W  = T (beta e^c k),  U = T (beta v),  M = lower_incl((q_i . k_j) e^(c_i - c_j))
+//   V' = U - W S
+//   O  = e^c (q S) + M V'
+//   S  = e^(c_last) S + (k e^(c_last - c))^T V'
+// `delta_prepare` (phase 1: parallel over sub-chunks) computes W, U, M and the row factors
+// e^c, e^(c_last - c); `delta_walk` (phase 2: one CTA per value head and BV state columns)
+// walks the sub-chunks in order with its state columns in registers.
+//
+// Exactness (DESIGN "invariant grid"): every value a sub-chunk produces depends on that
+// sub-chunk's rows and the fp32 state at its start only, through the same operations in the
+// same order whatever chunk the sub-chunk sits in, and the state is carried between sub-chunks
+// in fp32 exactly as between chunks. So any chunking whose cuts lie on multiples of 64 gives
+// every output row and the final state the same bits. Rows past a chunk's end inside its
+// last sub-chunk are zeros (k, q, v, beta, e^c all 0) and add exact zeros. The CTA shape
+// (BV, warps) and how many value heads a phase-1 CTA serves change no bit: each output
+// element is one mma chain over the same k-steps in the same order.
+//
+// Products are mma.sync.m16n8k8 with tf32 operands and fp32 accumulation; SPLIT = 3 runs each
+// as three tf32 products (big*small + small*big + big*big, "3xTF32"), which carries ~21 bits
+// of each operand instead of 10. With SPLIT 1, operands that are stored to be multiplied (W and
+// M in scratch, S and V' in shared memory) are stored already rounded to tf32 (the value the
+// product would use anyway), so the inner loops convert only q and k. T comes from a blockwise forward substitution in fp32 on
+// the CUDA cores (16 x 16 diagonal blocks, then block rows in order).
+//
+// Called from numba kernels (delta_mma.py) through numba-cuda's `link=`: entry points are
+// `extern "C" __device__` with numba's calling convention (int status return, result pointer
+// first), pointers and counts passed as int64. Shared memory is dynamic (`extern __shared__`);
+// the Python side raises the kernel's dynamic shared-memory limit before the first launch.
+//
+// Layouts (f32, row-major, C-contiguous):
+//   q, k      [rows, key_heads, KD]        (q already scaled by KD^-0.5, both L2-normalised)
+//   mixed     [rows, channels]              v of value head h at columns v0 + h * VD
+//   g, beta   [rows, value_heads]
+//   w         [subchunks, value_heads, C, KD]   u [subchunks, value_heads, C, VD]
+//   m         [subchunks, value_heads, C, C]    dv [subchunks, value_heads, 2, C] (e^c, e^(c_last - c))
+//   state     [value_heads, KD, VD]         (one slot of one layer)
+//   out       [rows, value_heads, VD]
+// Value head h reads key head h / (value_heads / key_heads).
+
+typedef unsigned int u32;
+
+#define FULL_MASK 0xffffffffu
+
+namespace delta {
+
+constexpr int C = 64;  // rows per sub-chunk
+
+__device__ __forceinline__ u32 tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += a b for one m16n8k8 tile. a: A fragment (rows g, g+8; columns t, t+4: a0 (g, t),
+// a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)); b: B fragment (b0 (k t, n g), b1 (k t+4, n g));
+// d: C fragment (d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)); g = lane / 4,
+// t = lane % 4 (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32).
+template <int SPLIT, bool A_TF32 = false, bool B_TF32 = false>
+__device__ __forceinline__ void mma(float* d, const float* a, const float* b) {
+    // A_TF32 / B_TF32: that operand already holds tf32 values (rounded when it was stored),
+    // so with SPLIT 1 its conversion is skipped (cvt.rna of a tf32 value is the value).
+    u32 ab[4], bb[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ab[i] = (SPLIT == 1 && A_TF32) ? __float_as_uint(a[i]) : tf32(a[i]);
+    bb[0] = (SPLIT == 1 && B_TF32) ? __float_as_uint(b[0]) : tf32(b[0]);
+    bb[1] = (SPLIT == 1 && B_TF32) ? __float_as_uint(b[1]) : tf32(b[1]);
+    if (SPLIT == 3) {
+        u32 as[4], bs[2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) as[i] = tf32(__fsub_rn(a[i], __uint_as_float(ab[i])));
+        bs[0] = tf32(__fsub_rn(b[0], __uint_as_float(bb[0])));
+        bs[1] = tf32(__fsub_rn(b[1], __uint_as_float(bb[1])));
+        mma_tf32(d, ab[0], ab[1], ab[2], ab[3], bs[0], bs[1]);
+        mma_tf32(d, as[0], as[1], as[2], as[3], bb[0], bb[1]);
+    }
+    mma_tf32(d, ab[0], ab[1], ab[2], ab[3], bb[0], bb[1]);
+}
+
+// x as the value a SPLIT-1 product will use (tf32), or x itself for SPLIT 3 (which splits it).
+template <int SPLIT>
+__device__ __forceinline__ float operand(float x) {
+    return SPLIT == 1 ? __uint_as_float(tf32(x)) : x;
+}
+
+// The A fragment of rows r, r + 8 and columns k0 + t, k0 + t + 4 of a row-major matrix with
+// row stride ld (floats): a0 (r, k0+t), a1 (r+8, k0+t), a2 (r, k0+t+4), a3 (r+8, k0+t+4).
+__device__ __forceinline__ void a_fragment(float* a, const float* m, int ld, int r, int k0, int t) {
+    a[0] = m[r * ld + k0 + t];
+    a[1] = m[(r + 8) * ld + k0 + t];
+    a[2] = m[r * ld + k0 + t + 4];
+    a[3] = m[(r + 8) * ld + k0 + t + 4];
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    return addr;
+}
+
+// 16 bytes global -> shared; src_bytes 0 writes zeros (src is not read).
+__device__ __forceinline__ void copy16(float* dst, const float* src, bool live) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(live ? 16 : 0));
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::); }
+
+template <int N>
+__device__ __forceinline__ void wait_groups() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// Shared-memory layout of phase 1 (floats). Strides are 4 mod 32 where rows are read as
+// A fragments (banks 4g + t: conflict-free).
+template <int KD, int VD>
+struct PrepareSmem {
+    static constexpr int LK = KD + 4;                      // k rows
+    static constexpr int LQ = (VD > KD ? VD : KD) + 4;     // q rows, then beta v rows
+    static constexpr int LC = C + 4;                       // [C, C] matrices
+    static constexpr int K = 0;
+    static constexpr int Q = K + C * LK;
+    static constexpr int A = Q + C * LQ;
+    static constexpr int T = A + C * LC;
+    static constexpr int VEC = T + C * LC;                 // c, beta, beta e^c
+    static constexpr int FLOATS = VEC + 3 * C;
+};
+
+// Phase 1: one CTA of 8 warps per (sub-chunk, `per_block` value heads of one key head).
+template <int KD, int VD, int SPLIT>
+__device__ __forceinline__ void prepare(const float* q, const float* k, const float* mixed, const float* g,
+                                        const float* beta, float* w_out, float* u_out, float* m_out, float* dv_out,
+                                        int rows, int off, int key_heads, int value_heads, int channels, int v0,
+                                        int per_block) {
+    using L = PrepareSmem<KD, VD>;
+    constexpr int THREADS = 256;
+    extern __shared__ __align__(16) float smem[];
+    float* ks = smem + L::K;
+    float* qs = smem + L::Q;
+    float* as = smem + L::A;
+    float* ts = smem + L::T;
+    float* cs = smem + L::VEC;
+    float* bs = cs + C;
+    float* sc = bs + C;
+
+    const int s = blockIdx.x;
+    const int group = value_heads / key_heads;
+    const int blocks_per_key_head = group / per_block;
+    const int kh = blockIdx.y / blocks_per_key_head;
+    const int vh0 = kh * group + (blockIdx.y % blocks_per_key_head) * per_block;
+    const int lo = max(0, s * C - off);
+    const int n = min(rows, (s + 1) * C - off) - lo;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane >> 2, tq = lane & 3;
+    const size_t row_len = (size_t)key_heads * KD;
+
+    // k and q rows of the sub-chunk (zeros past n)
+    for (int e = tid; e < C * (KD / 4); e += THREADS) {
+        const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
+        float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
+        if (i < n) {
+            const size_t at = (size_t)(lo + i) * row_len + (size_t)kh * KD + c4;
+            kv = *reinterpret_cast<const float4*>(k + at);
+            qv = *reinterpret_cast<const float4*>(q + at);
+        }
+        *reinterpret_cast<float4*>(ks + i * L::LK + c4) = kv;
+        *reinterpret_cast<float4*>(qs + i * L::LQ + c4) = qv;
+    }
+    __syncthreads();
+
+    // Gram matrices k k^T and q k^T, kept in registers: warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
+    const int gr = 16 * (warp % 4) + gq;
+    float acc_k[C / 16][4], acc_q[C / 16][4];
+#pragma unroll
+    for (int j = 0; j < C / 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_k[j][e] = acc_q[j][e] = 0.f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < KD; k0 += 8) {
+        float ak[4], aq[4];
+        a_fragment(ak, ks, L::LK, gr, k0, tq);
+        a_fragment(aq, qs, L::LQ, gr, k0, tq);
+#pragma unroll
+        for (int j = 0; j < C / 16; ++j) {
+            const int col = 8 * (warp / 4 + 2 * j) + gq;
+            const float b[2] = {ks[col * L::LK + k0 + tq], ks[col * L::LK + k0 + tq + 4]};
+            mma<SPLIT>(acc_k[j], ak, b);
+            mma<SPLIT>(acc_q[j], aq, b);
+        }
+    }
+
+    for (int vi = 0; vi < per_block; ++vi) {
+        const int hv = vh0 + vi;
+        __syncthreads();  // q rows read; the previous head's buffers free
+        if (tid < C) {
+            const bool live = tid < n;
+            cs[tid] = live ? g[(size_t)(lo + tid) * value_heads + hv] : 0.f;
+            bs[tid] = live ? beta[(size_t)(lo + tid) * value_heads + hv] : 0.f;
+        }
+        __syncthreads();
+        if (warp == 0) {  // c = inclusive cumsum of g: pairs per lane, then a shuffle scan over lanes
+            const float x0 = cs[2 * lane], x1 = cs[2 * lane + 1];
+            float incl = __fadd_rn(x0, x1);
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const float y = __shfl_up_sync(FULL_MASK, incl, d);
+                if (lane >= d) incl = __fadd_rn(y, incl);
+            }
+            float excl = __shfl_up_sync(FULL_MASK, incl, 1);
+            if (lane == 0) excl = 0.f;
+            cs[2 * lane] = __fadd_rn(excl, x0);
+            cs[2 * lane + 1] = __fadd_rn(__fadd_rn(excl, x0), x1);
+        }
+        // beta v rows into the q buffer (zeros past n)
+        for (int e = tid; e < C * (VD / 4); e += THREADS) {
+            const int i = e / (VD / 4), c4 = (e % (VD / 4)) * 4;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < n) {
+                v = *reinterpret_cast<const float4*>(mixed + (size_t)(lo + i) * channels + v0 + (size_t)hv * VD + c4);
+                const float b = bs[i];
+                v.x = __fmul_rn(v.x, b);
+                v.y = __fmul_rn(v.y, b);
+                v.z = __fmul_rn(v.z, b);
+                v.w = __fmul_rn(v.w, b);
+            }
+            *reinterpret_cast<float4*>(qs + i * L::LQ + c4) = v;
+        }
+        __syncthreads();
+        const float c_last = cs[n - 1];
+        float* dv = dv_out + ((size_t)s * value_heads + hv) * 2 * C;
+        if (tid < C) {
+            const float ci = cs[tid];
+            const bool live = tid < n;
+            sc[tid] = __fmul_rn(bs[tid], expf(ci));
+            dv[tid] = live ? expf(ci) : 0.f;
+            dv[C + tid] = live ? expf(__fsub_rn(c_last, ci)) : 0.f;
+        }
+        // A = strict_lower(beta_i (k_i . k_j) e^(c_i - c_j)) into shared memory and
+        // M = lower_incl((q_i . k_j) e^(c_i - c_j)) to scratch, from the Gram fragments
+        float* m = m_out + ((size_t)s * value_heads + hv) * C * C;
+#pragma unroll
+        for (int j = 0; j < C / 16; ++j) {
+            const int col = 8 * (warp / 4 + 2 * j) + 2 * tq;
+            float mv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = gr + 8 * (e / 2), jj = col + e % 2;
+                const float decay = jj <= i ? expf(__fsub_rn(cs[i], cs[jj])) : 0.f;
+                as[i * L::LC + jj] = jj < i ? __fmul_rn(__fmul_rn(bs[i], acc_k[j][e]), decay) : 0.f;
+                mv[e] = operand<SPLIT>(jj <= i ? __fmul_rn(acc_q[j][e], decay) : 0.f);
+            }
+            *reinterpret_cast<float2*>(m + gr * C + col) = make_float2(mv[0], mv[1]);
+            *reinterpret_cast<float2*>(m + (gr + 8) * C + col) = make_float2(mv[2], mv[3]);
+        }
+        for (int e = tid; e < C * C; e += THREADS) {
+            const int i = e / C, j = e % C;
+            if (j / 16 > i / 16) ts[i * L::LC + j] = 0.f;
+        }
+        __syncthreads();
+
+        // T = (I + A)^-1. Diagonal 16 x 16 blocks: one column per thread, forward substitution
+        // (entries above the diagonal are zeros, so the sum may start at 0).
+        if (tid < C) {
+            const int base = 16 * (tid / 16), col = tid % 16;
+            float tc[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                float acc = 0.f;
+#pragma unroll
+                for (int mm = 0; mm < i; ++mm) acc = __fmaf_rn(as[(base + i) * L::LC + base + mm], tc[mm], acc);
+                tc[i] = i < col ? 0.f : (i == col ? 1.f : -acc);
+                ts[(base + i) * L::LC + base + col] = tc[i];
+            }
+        }
+        __syncthreads();
+        // Block rows in order: X = sum_{bk in [bj, bi)} A_{bi,bk} T_{bk,bj} (into A's block
+        // (bi, bj), free once every X of the row is made), then T_{bi,bj} = -T_{bi,bi} X.
+#pragma unroll
+        for (int bi = 1; bi < 4; ++bi) {
+            float x[3];
+#pragma unroll
+            for (int rep = 0; rep < 3; ++rep) {
+                const int e = tid + THREADS * rep;
+                x[rep] = 0.f;
+                if (rep < bi) {
+                    const int bj = e / 256, rr = (e / 16) % 16, cc = e % 16;
+                    float acc = 0.f;
+                    for (int bk = bj; bk < bi; ++bk)
+#pragma unroll
+                        for (int mm = 0; mm < 16; ++mm)
+                            acc = __fmaf_rn(as[(16 * bi + rr) * L::LC + 16 * bk + mm],
+                                            ts[(16 * bk + mm) * L::LC + 16 * bj + cc], acc);
+                    x[rep] = acc;
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int rep = 0; rep < 3; ++rep) {
+                const int e = tid + THREADS * rep;
+                if (rep < bi) as[(16 * bi + (e / 16) % 16) * L::LC + 16 * (e / 256) + e % 16] = x[rep];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int rep = 0; rep < 3; ++rep) {
+                const int e = tid + THREADS * rep;
+                if (rep < bi) {
+                    const int bj = e / 256, rr = (e / 16) % 16, cc = e % 16;
+                    float acc = 0.f;
+#pragma unroll
+                    for (int mm = 0; mm < 16; ++mm)
+                        acc = __fmaf_rn(ts[(16 * bi + rr) * L::LC + 16 * bi + mm],
+                                        as[(16 * bi + mm) * L::LC + 16 * bj + cc], acc);
+                    ts[(16 * bi + rr) * L::LC + 16 * bj + cc] = -acc;
+                }
+            }
+            __syncthreads();
+        }
+
+        // W = T (beta e^c k) and U = T (beta v): warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
+        {
+            const int r = 16 * (warp % 4) + gq;
+            float ta[C / 8][4];
+#pragma unroll
+            for (int kt = 0; kt < C / 8; ++kt) a_fragment(ta[kt], ts, L::LC, r, 8 * kt, tq);
+            float* w = w_out + ((size_t)s * value_heads + hv) * C * KD;
+            for (int nt = warp / 4; nt < KD / 8; nt += 2) {
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int kt = 0; kt < C / 8; ++kt) {
+                    const int j = 8 * kt + tq;
+                    const float b[2] = {__fmul_rn(ks[j * L::LK + 8 * nt + gq], sc[j]),
+                                        __fmul_rn(ks[(j + 4) * L::LK + 8 * nt + gq], sc[j + 4])};
+                    mma<SPLIT>(acc, ta[kt], b);
+                }
+                *reinterpret_cast<float2*>(w + r * KD + 8 * nt + 2 * tq) =
+                    make_float2(operand<SPLIT>(acc[0]), operand<SPLIT>(acc[1]));
+                *reinterpret_cast<float2*>(w + (r + 8) * KD + 8 * nt + 2 * tq) =
+                    make_float2(operand<SPLIT>(acc[2]), operand<SPLIT>(acc[3]));
+            }
+            float* u = u_out + ((size_t)s * value_heads + hv) * C * VD;
+            for (int nt = warp / 4; nt < VD / 8; nt += 2) {
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int kt = 0; kt < C / 8; ++kt) {
+                    const int j = 8 * kt + tq;
+                    const float b[2] = {qs[j * L::LQ + 8 * nt + gq], qs[(j + 4) * L::LQ + 8 * nt + gq]};
+                    mma<SPLIT>(acc, ta[kt], b);
+                }
+                *reinterpret_cast<float2*>(u + r * VD + 8 * nt + 2 * tq) = make_float2(acc[0], acc[1]);
+                *reinterpret_cast<float2*>(u + (r + 8) * VD + 8 * nt + 2 * tq) = make_float2(acc[2], acc[3]);
+            }
+        }
+    }
+}
+
+// Shared-memory layout of phase 2 (floats).
+template <int KD, int BV>
+struct WalkSmem {
+    static constexpr int LW = KD + 4;  // W and q rows (A fragments: 4 mod 32)
+    static constexpr int LK = KD + 8;  // k rows, read transposed (banks 8t + g)
+    static constexpr int LM = C + 4;   // M rows
+    static constexpr int LS = BV + 8;  // S and V' rows, read as B fragments (banks 8t + g)
+    static constexpr int W = 0;
+    static constexpr int Q = W + C * LW;
+    static constexpr int K = Q + C * LW;
+    static constexpr int M = K + C * LK;
+    static constexpr int S = M + C * LM;
+    static constexpr int V = S + KD * LS;
+    static constexpr int DV = V + C * LS;  // e^c, e^(c_last - c)
+    static constexpr int FLOATS = DV + 2 * C;
+};
+
+// Phase 2: one CTA of WARPS warps per (BV state columns, value head) walks the sub-chunks.
+// Sub-chunk rows: warp w owns m-tile w % 4 and n-tiles w / 4 + (WARPS / 4) j of V' and O;
+// state rows: warp w owns key m-tiles w + WARPS j.
+template <int KD, int BV, int WARPS, int SPLIT>
+__device__ __forceinline__ void walk(const float* q, const float* k, const float* w_in, const float* u_in,
+                                     const float* m_in, const float* dv_in, float* state, float* out, int rows,
+                                     int off, int key_heads, int value_heads, int value_dim) {
+    using L = WalkSmem<KD, BV>;
+    constexpr int THREADS = WARPS * 32;
+    constexpr int NT = BV / 8;                       // n-tiles of the CTA's columns
+    constexpr int PJ = NT / (WARPS / 4);             // n-tiles of V' / O a warp owns
+    constexpr int MT = KD / 16;                      // m-tiles of the state
+    constexpr int SJ = (MT + WARPS - 1) / WARPS;     // state m-tiles a warp owns (at most)
+    static_assert(WARPS % 4 == 0 && NT % (WARPS / 4) == 0 && KD % 16 == 0, "tile split");
+    extern __shared__ __align__(16) float smem[];
+    float* ws = smem + L::W;
+    float* qs = smem + L::Q;
+    float* kt = smem + L::K;
+    float* ms = smem + L::M;
+    float* ss = smem + L::S;
+    float* vn = smem + L::V;
+    float* dv = smem + L::DV;
+
+    const int hv = blockIdx.y, col0 = blockIdx.x * BV;
+    const int kh = hv / (value_heads / key_heads);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane >> 2, tq = lane & 3;
+    const int pr = 16 * (warp % 4) + gq;  // this thread's first sub-chunk row of V' and O
+    const int subchunks = (off + rows + C - 1) / C;
+    const size_t row_len = (size_t)key_heads * KD;
+    state += (size_t)hv * KD * value_dim;  // this value head's [KD, value_dim] state
+
+    float sacc[SJ][NT][4];
+#pragma unroll
+    for (int j = 0; j < SJ; ++j) {
+        const int mt = warp + WARPS * j;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if (mt < MT) {
+                const float* src = state + (size_t)(16 * mt + gq) * value_dim + col0 + 8 * nt + 2 * tq;
+                const float2 a = *reinterpret_cast<const float2*>(src);
+                const float2 b = *reinterpret_cast<const float2*>(src + 8 * value_dim);
+                sacc[j][nt][0] = a.x;
+                sacc[j][nt][1] = a.y;
+                sacc[j][nt][2] = b.x;
+                sacc[j][nt][3] = b.y;
+            } else {
+                sacc[j][nt][0] = sacc[j][nt][1] = sacc[j][nt][2] = sacc[j][nt][3] = 0.f;
+            }
+        }
+    }
+
+    // stage A: W and q rows of sub-chunk s; stage B: k rows, M, e^c / e^(c_last - c)
+    auto stage_a = [&](int s) {
+        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
+        const float* w = w_in + ((size_t)s * value_heads + hv) * C * KD;
+        for (int e = tid; e < C * (KD / 4); e += THREADS) {
+            const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
+            copy16(ws + i * L::LW + c4, w + i * KD + c4, true);
+            const bool live = i < n;
+            copy16(qs + i * L::LW + c4, live ? q + (size_t)(lo + i) * row_len + (size_t)kh * KD + c4 : q, live);
+        }
+        commit();
+    };
+    auto stage_b = [&](int s) {
+        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
+        for (int e = tid; e < C * (KD / 4); e += THREADS) {
+            const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
+            const bool live = i < n;
+            copy16(kt + i * L::LK + c4, live ? k + (size_t)(lo + i) * row_len + (size_t)kh * KD + c4 : k, live);
+        }
+        const float* m = m_in + ((size_t)s * value_heads + hv) * C * C;
+        for (int e = tid; e < C * C / 4; e += THREADS) {
+            const int i = e / (C / 4), c4 = (e % (C / 4)) * 4;
+            copy16(ms + i * L::LM + c4, m + i * C + c4, true);
+        }
+        const float* d = dv_in + ((size_t)s * value_heads + hv) * 2 * C;
+        for (int e = tid; e < 2 * C / 4; e += THREADS) copy16(dv + 4 * e, d + 4 * e, true);
+        commit();
+    };
+
+    stage_a(0);
+    stage_b(0);
+    for (int s = 0; s < subchunks; ++s) {
+        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
+        // the state at the sub-chunk start, as B fragments for everyone
+#pragma unroll
+        for (int j = 0; j < SJ; ++j) {
+            const int mt = warp + WARPS * j;
+            if (mt < MT) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float* dst = ss + (16 * mt + gq) * L::LS + 8 * nt + 2 * tq;
+                    dst[0] = operand<SPLIT>(sacc[j][nt][0]);
+                    dst[1] = operand<SPLIT>(sacc[j][nt][1]);
+                    dst[8 * L::LS] = operand<SPLIT>(sacc[j][nt][2]);
+                    dst[8 * L::LS + 1] = operand<SPLIT>(sacc[j][nt][3]);
+                }
+            }
+        }
+        float uf[PJ][4];
+        {
+            const float* u = u_in + ((size_t)s * value_heads + hv) * C * value_dim + col0;
+#pragma unroll
+            for (int j = 0; j < PJ; ++j) {
+                const int col = 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
+                const float2 a = *reinterpret_cast<const float2*>(u + (size_t)pr * value_dim + col);
+                const float2 b = *reinterpret_cast<const float2*>(u + (size_t)(pr + 8) * value_dim + col);
+                uf[j][0] = a.x;
+                uf[j][1] = a.y;
+                uf[j][2] = b.x;
+                uf[j][3] = b.y;
+            }
+        }
+        wait_groups<1>();  // stage A of s is in (stage B of s may still be in flight)
+        __syncthreads();
+
+        float p[PJ][4], z[PJ][4];  // W S and q S
+#pragma unroll
+        for (int j = 0; j < PJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[j][e] = z[j][e] = 0.f;
+#pragma unroll 4
+        for (int k0 = 0; k0 < KD; k0 += 8) {
+            float aw[4], aq[4];
+            a_fragment(aw, ws, L::LW, pr, k0, tq);
+            a_fragment(aq, qs, L::LW, pr, k0, tq);
+#pragma unroll
+            for (int j = 0; j < PJ; ++j) {
+                const int col = 8 * (warp / 4 + (WARPS / 4) * j) + gq;
+                const float b[2] = {ss[(k0 + tq) * L::LS + col], ss[(k0 + tq + 4) * L::LS + col]};
+                mma<SPLIT, true, true>(p[j], aw, b);
+                mma<SPLIT, false, true>(z[j], aq, b);
+            }
+        }
+        __syncthreads();  // W, q and S buffers read
+        if (s + 1 < subchunks) {
+            stage_a(s + 1);
+        } else {
+            commit();
+        }
+        wait_groups<1>();  // stage B of s is in
+        __syncthreads();
+
+        // V' = U - W S (into shared memory); O = e^c (q S)
+        const float e0 = dv[pr], e1 = dv[pr + 8];
+#pragma unroll
+        for (int j = 0; j < PJ; ++j) {
+            const int col = 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
+            float* dst = vn + pr * L::LS + col;
+            dst[0] = operand<SPLIT>(__fsub_rn(uf[j][0], p[j][0]));
+            dst[1] = operand<SPLIT>(__fsub_rn(uf[j][1], p[j][1]));
+            dst[8 * L::LS] = operand<SPLIT>(__fsub_rn(uf[j][2], p[j][2]));
+            dst[8 * L::LS + 1] = operand<SPLIT>(__fsub_rn(uf[j][3], p[j][3]));
+            z[j][0] = __fmul_rn(z[j][0], e0);
+            z[j][1] = __fmul_rn(z[j][1], e0);
+            z[j][2] = __fmul_rn(z[j][2], e1);
+            z[j][3] = __fmul_rn(z[j][3], e1);
+        }
+        __syncthreads();
+
+        // O += M V'
+#pragma unroll
+        for (int k0 = 0; k0 < C; k0 += 8) {
+            float am[4];
+            a_fragment(am, ms, L::LM, pr, k0, tq);
+#pragma unroll
+            for (int j = 0; j < PJ; ++j) {
+                const int col = 8 * (warp / 4 + (WARPS / 4) * j) + gq;
+                const float b[2] = {vn[(k0 + tq) * L::LS + col], vn[(k0 + tq + 4) * L::LS + col]};
+                mma<SPLIT, true, true>(z[j], am, b);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PJ; ++j) {
+            const int col = col0 + 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
+            if (pr < n)
+                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr) * value_heads + hv) * value_dim + col) =
+                    make_float2(z[j][0], z[j][1]);
+            if (pr + 8 < n)
+                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr + 8) * value_heads + hv) * value_dim + col) =
+                    make_float2(z[j][2], z[j][3]);
+        }
+
+        // S = e^(c_last) S + (k e^(c_last - c))^T V'
+        const float decay = dv[n - 1];
+#pragma unroll
+        for (int j = 0; j < SJ; ++j)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[j][nt][e] = __fmul_rn(sacc[j][nt][e], decay);
+#pragma unroll
+        for (int k0 = 0; k0 < C; k0 += 8) {
+            const float d0 = dv[C + k0 + tq], d1 = dv[C + k0 + tq + 4];
+            float b[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                b[nt][0] = vn[(k0 + tq) * L::LS + 8 * nt + gq];
+                b[nt][1] = vn[(k0 + tq + 4) * L::LS + 8 * nt + gq];
+            }
+#pragma unroll
+            for (int j = 0; j < SJ; ++j) {
+                const int m0 = 16 * (warp + WARPS * j) + gq;
+                if (m0 < KD) {
+                    const float a[4] = {__fmul_rn(kt[(k0 + tq) * L::LK + m0], d0),
+                                        __fmul_rn(kt[(k0 + tq) * L::LK + m0 + 8], d0),
+                                        __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0], d1),
+                                        __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0 + 8], d1)};
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) mma<SPLIT, false, true>(sacc[j][nt], a, b[nt]);
+                }
+            }
+        }
+        __syncthreads();  // k, M, V' and the row factors read
+        if (s + 1 < subchunks) {
+            stage_b(s + 1);
+        } else {
+            commit();
+        }
+    }
+    wait_groups<0>();
+
+#pragma unroll
+    for (int j = 0; j < SJ; ++j) {
+        const int mt = warp + WARPS * j;
+        if (mt < MT) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float* dst = state + (size_t)(16 * mt + gq) * value_dim + col0 + 8 * nt + 2 * tq;
+                *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][nt][0], sacc[j][nt][1]);
+                *reinterpret_cast<float2*>(dst + 8 * value_dim) = make_float2(sacc[j][nt][2], sacc[j][nt][3]);
+            }
+        }
+    }
+}
+
+}  // namespace delta
+
+// Entry points (numba's ABI: status return, result pointer first; pointers and counts as int64).
+// delta_mma.py appends the instantiations it needs (DELTA_PREPARE / DELTA_WALK lines) to this
+// source, one (KD, VD, ...) set per compile.
+#define DELTA_PREPARE(KD, VD, SPLIT)                                                                            \
+    extern "C" __device__ int delta_prepare_##KD##_##VD##_##SPLIT(                                              \
+        int* result, long long q, long long k, long long mixed, long long g, long long beta, long long w,       \
+        long long u, long long m, long long dv, long long rows, long long off, long long key_heads,             \
+        long long value_heads, long long channels, long long v0, long long per_block) {                         \
+        delta::prepare<KD, VD, SPLIT>(                                                                          \
+            reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k),                               \
+            reinterpret_cast<const float*>(mixed), reinterpret_cast<const float*>(g),                           \
+            reinterpret_cast<const float*>(beta), reinterpret_cast<float*>(w), reinterpret_cast<float*>(u),     \
+            reinterpret_cast<float*>(m), reinterpret_cast<float*>(dv), (int)rows, (int)off, (int)key_heads,     \
+            (int)value_heads, (int)channels, (int)v0, (int)per_block);                                          \
+        *result = 0;                                                                                            \
+        return 0;                                                                                               \
+    }
+
+#define DELTA_WALK(KD, BV, WARPS, SPLIT)                                                                         \
+    extern "C" __device__ int delta_walk_##KD##_##BV##_##WARPS##_##SPLIT(                                       \
+        int* result, long long q, long long k, long long w, long long u, long long m, long long dv,             \
+        long long state, long long out, long long rows, long long off, long long key_heads,                     \
+        long long value_heads, long long value_dim) {                                                           \
+        delta::walk<KD, BV, WARPS, SPLIT>(                                                                      \
+            reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k),                               \
+            reinterpret_cast<const float*>(w), reinterpret_cast<const float*>(u),                               \
+            reinterpret_cast<const float*>(m), reinterpret_cast<const float*>(dv),                              \
+            reinterpret_cast<float*>(state), reinterpret_cast<float*>(out), (int)rows, (int)off,                \
+            (int)key_heads, (int)value_heads, (int)value_dim);                                                  \
+        *result = 0;                                                                                            \
+        return 0;                                                                                               \
+    }

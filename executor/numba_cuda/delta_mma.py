@@ -1,0 +1,257 @@
+"""The chunked gated delta rule of a prefill chunk on the tensor cores: two numba kernels that
+call CUDA C++ device functions (delta_mma.cu: tf32 mma.sync products, cp.async staging),
+linked through numba-cuda's `link=` (NVRTC compiles the source; with nvJitLink, link-time
+optimisation inlines it).
+
+Same contract as `delta_chunked.delta_chunked` (one stream's chunk, the state advanced in
+place) and the same exactness: 64-row sub-chunks anchored at absolute multiples of 64, each
+from its own rows and the incoming fp32 state, so any chunking cut on that grid gives every
+row and the state the same bits (the source's header gives the argument). The bits differ
+from the CUDA-core path's (tf32 products, another order), so a backend picks one path for good.
+
+Phase 1 (`delta_prepare`, parallel over sub-chunks): W = T (beta e^c k), U = T (beta v),
+M = lower_incl((q k^T) e^(c_i - c_j)) and the row factors, into scratch (82 KB per sub-chunk
+and value head at key/value dim 128: 1.35 GB for the 9B shape's 32 value heads over 32,768
+rows). Phase 2 (`delta_walk`): one CTA per value head and BV state columns walks the
+sub-chunks with its state in registers: V' = U - W S, O = e^c (q S) + M V',
+S = e^(c_last) S + (k e^(c_last - c))^T V'.
+
+Numerics: by default each product is three tf32 products (SPLIT = 3, "3xTF32": ~21 bits of
+each operand; within ~2e-6 of the float64 twin, relative to the largest value); SPLIT = 1
+rounds the operands to tf32 (10-bit mantissa: ~7e-4). T is an fp32 forward substitution.
+Twin: ops.gated_delta_rule_chunked. Not available under the CUDA simulator: `unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+from executor.numba_cuda.delta_chunked import SUBCHUNK_ROWS, _subchunk_offset, check_chunk_args
+from executor.numba_cuda.device import IS_SIMULATOR, check, device_pointer, empty
+from executor.numba_cuda.launch import fast
+
+SOURCE = Path(__file__).with_name("delta_mma.cu")
+"""The CUDA C++ source of the device functions."""
+KEY_DIMS = (16, 32, 64, 128)
+"""Key dims (KD) the source is instantiated for (multiples of 16: the state's m-tiles)."""
+VALUE_DIMS = (8, 16, 32, 64, 128)
+"""Value dims (VD) the source is instantiated for (multiples of 8: the mma n-tiles)."""
+SPLIT = int(os.environ.get("WARMSTATE_DELTA_SPLIT", "3"))
+"""tf32 products per product: 3 (3xTF32, ~fp32 operands: the default) or 1 (plain tf32;
+WARMSTATE_DELTA_SPLIT=1). Measured on the H200 (RESULTS.md, session 9): against the float64
+twin, outputs and states within ~2e-6 of their largest value with 3 and ~7e-4 with 1; the 9B
+shape's 32,768-row chunk 7.5 ms a layer with 3 and 4.0 ms with 1 (12.9 ms on the CUDA
+cores). With 1, the whole tiny test models' logits moved 4x further from the reference that
+emulates the serving format's bf16 roundings (median 1.2e-2 against 3e-3): a 7e-4 change
+flips the bf16 rounding of some out_proj inputs, and the flips carry through the layers. So
+3 is the default and 1 a speed option. A backend's states are only bit-comparable within
+one value."""
+PREPARE_THREADS = 256
+SMS = 132
+"""Multiprocessors of the H200: phase 2 picks the widest column split that fills them."""
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def _prepare_floats(kd: int, vd: int) -> int:
+    """Dynamic shared floats of phase 1 (PrepareSmem in the source)."""
+    c = SUBCHUNK_ROWS
+    return c * (kd + 4) + c * (max(kd, vd) + 4) + 2 * c * (c + 4) + 3 * c
+
+
+def _walk_floats(kd: int, bv: int) -> int:
+    """Dynamic shared floats of phase 2 (WalkSmem in the source)."""
+    c = SUBCHUNK_ROWS
+    return 2 * c * (kd + 4) + c * (kd + 8) + c * (c + 4) + kd * (bv + 8) + c * (bv + 8) + 2 * c
+
+
+def walk_shape(value_dim: int, value_heads: int) -> tuple[int, int]:
+    """(BV state columns, warps) of a phase-2 CTA: 32 columns on 8 warps while
+    value_dim / 32 * value_heads CTAs fit the multiprocessors in one wave (9B: 128), else 64
+    columns on 8 warps (27B: 48 value heads -> 96 CTAs, not 192 in two waves); value_dim
+    itself on 4 warps when it is under 32. A step of the walk is a chain of dependent products,
+    so 8 warps (two a scheduler) beat 4 (H200, RESULTS.md session 9). The split changes no
+    bit (each state element is one mma chain)."""
+    if value_dim < 32:
+        return value_dim, 4
+    if value_dim % 64 == 0 and value_dim // 32 * value_heads > SMS:
+        return 64, 8
+    return 32, 8
+
+
+def unavailable(key_dim: int, value_dim: int) -> str | None:
+    """Why the tensor-core delta rule cannot run here at these dims (None when it can)."""
+    if key_dim not in KEY_DIMS or value_dim not in VALUE_DIMS:
+        return f"key_dim {key_dim} / value_dim {value_dim} are not in {KEY_DIMS} / {VALUE_DIMS}"
+    if IS_SIMULATOR:
+        return "the CUDA simulator has no NVRTC or mma"
+    return None
+
+
+def _set_dynamic_shared(dispatcher, nbytes: int) -> None:
+    """Allow `nbytes` of dynamic shared memory (past the default 48 KB) for the dispatcher's
+    one compiled kernel on the current device. numba-cuda 0.30 loads modules as libraries, so
+    the handle its launches use is a CUkernel (cuKernelSetAttribute); an older one hands out a
+    CUfunction (cuFuncSetAttribute). Raises RuntimeError on a driver error."""
+    (kernel,) = dispatcher.overloads.values()
+    function = kernel._codelibrary.get_cufunc()
+    handle = ctypes.c_void_p(int(getattr(function.handle, "value", function.handle)))
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    result = lib.cuFuncSetAttribute(handle, _MAX_DYNAMIC_SHARED, int(nbytes))
+    if result:
+        device = ctypes.c_int()
+        lib.cuCtxGetDevice(ctypes.byref(device))
+        lib.cuKernelSetAttribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        result = lib.cuKernelSetAttribute(_MAX_DYNAMIC_SHARED, int(nbytes), handle, device.value)
+    if result:
+        raise RuntimeError(f"cuFuncSetAttribute / cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) "
+                           f"failed: CUresult {result}")
+
+
+def _source(line: str, name: str):
+    return cuda.CUSource(SOURCE.read_text() + "\n" + line + "\n", name=name)
+
+
+@functools.cache
+def prepare_kernel(kd: int, vd: int, split: int):
+    """(launchable phase-1 kernel, dynamic shared bytes) for key dim kd and value dim vd
+    (compiled now, dynamic shared memory allowed). With split 1 the registers are capped for
+    two CTAs a multiprocessor (103 KB of shared memory each at dims 128: the loads of one
+    overlap the other's products)."""
+    name = f"delta_prepare_{kd}_{vd}_{split}"
+    fn = cuda.declare_device(name, "int32(" + ", ".join(["int64"] * 16) + ")")
+
+    @cuda.jit("void(" + ", ".join(["int64"] * 16) + ")",
+              link=[_source(f"DELTA_PREPARE({kd}, {vd}, {split})", f"{name}.cu")], lto=True,
+              launch_bounds=(PREPARE_THREADS, 2 if split == 1 else 1))
+    def delta_prepare(q, k, mixed, g, beta, w, u, m, dv, rows, off, key_heads, value_heads, channels, v0, per_block):
+        fn(q, k, mixed, g, beta, w, u, m, dv, rows, off, key_heads, value_heads, channels, v0, per_block)
+
+    nbytes = 4 * _prepare_floats(kd, vd)
+    _set_dynamic_shared(delta_prepare, nbytes)
+    return fast(delta_prepare), nbytes
+
+
+@functools.cache
+def walk_kernel(kd: int, bv: int, warps: int, split: int):
+    """(launchable phase-2 kernel, dynamic shared bytes) for key dim kd, BV state columns and
+    `warps` warps a CTA (compiled now, dynamic shared memory allowed)."""
+    name = f"delta_walk_{kd}_{bv}_{warps}_{split}"
+    fn = cuda.declare_device(name, "int32(" + ", ".join(["int64"] * 13) + ")")
+
+    @cuda.jit("void(" + ", ".join(["int64"] * 13) + ")",
+              link=[_source(f"DELTA_WALK({kd}, {bv}, {warps}, {split})", f"{name}.cu")], lto=True,
+              launch_bounds=(warps * 32, 1))
+    def delta_walk(q, k, w, u, m, dv, state, out, rows, off, key_heads, value_heads, value_dim):
+        fn(q, k, w, u, m, dv, state, out, rows, off, key_heads, value_heads, value_dim)
+
+    nbytes = 4 * _walk_floats(kd, bv)
+    _set_dynamic_shared(delta_walk, nbytes)
+    return fast(delta_walk), nbytes
+
+
+def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states, out=None, stream=0,
+              per_block: int | None = None, walk: tuple[int, int] | None = None, split: int | None = None):
+    """Run the gated delta rule over one stream's prefill chunk on the tensor cores, advancing
+    its state in place; `delta_chunked.delta_chunked`'s arguments and result.
+
+    qn, kn: f32 device [rows, key_heads, key_dim], C-contiguous (qn scaled by key_dim**-0.5);
+    mixed: f32 [rows, channels], C-contiguous, v at columns [v0, v0 + value_heads *
+    value_dim) with v0 and channels multiples of 4 (16-byte rows); g, beta: f32 [rows,
+    value_heads], C-contiguous; states: f32 [slots, value_heads, key_dim, value_dim],
+    C-contiguous, the stream's state at states[slot] (absolute rows [start_row, start_row +
+    rows)); out: None or f32 [rows, value_heads, value_dim], C-contiguous. Every array 16-byte
+    aligned. Returns out. per_block (value heads a phase-1 CTA serves, a divisor of the
+    group), walk ((BV, warps) of phase 2) and split (1 or 3) default to what the call is
+    fastest with; per_block and walk change no bit, split does.
+    Raises ValueError naming the argument on a wrong dtype, shape, layout or alignment, a
+    slot or start_row out of range; RuntimeError where the kernels cannot run (`unavailable`).
+    """
+    rows, key_heads, key_dim, value_heads, value_dim = check_chunk_args(qn, kn, mixed, v0, g, beta, start_row, slot,
+                                                                       states)
+    channels = mixed.shape[1]
+    if v0 % 4 or channels % 4:
+        raise ValueError(f"mixed {mixed.shape}: v0 {v0} and its row length must be multiples of 4 (16-byte rows)")
+    if out is not None:
+        check("out", out, np.float32, 3)
+        if tuple(out.shape) != (rows, value_heads, value_dim):
+            raise ValueError(f"out {out.shape} must be [{rows}, {value_heads}, {value_dim}]")
+    group = value_heads // key_heads
+    if per_block is not None and (per_block < 1 or group % per_block):
+        raise ValueError(f"per_block {per_block} must divide the group of {group} value heads")
+    split = SPLIT if split is None else split
+    if split not in (1, 3):
+        raise ValueError(f"split must be 1 or 3, got {split}")
+    bv, warps = walk_shape(value_dim, value_heads) if walk is None else walk
+    if value_dim % bv or bv % 8 or warps not in (4, 8) or bv // 8 % (warps // 4):
+        raise ValueError(f"walk (BV {bv}, warps {warps}) does not split value_dim {value_dim}")
+    for name, array in (("qn", qn), ("kn", kn), ("mixed", mixed), ("g", g), ("beta", beta), ("states", states),
+                        ("out", out)):
+        if array is None:
+            continue
+        if not array.is_c_contiguous():
+            raise ValueError(f"{name} must be C-contiguous")
+        if array.size and not IS_SIMULATOR and device_pointer(array) % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    why = unavailable(key_dim, value_dim)
+    if why is not None:
+        raise RuntimeError(f"tensor-core delta rule: {why}")
+    out = empty((rows, value_heads, value_dim), np.float32, stream) if out is None else out
+    if not rows:
+        return out
+    off = _subchunk_offset(start_row)
+    subchunks = (off + rows + SUBCHUNK_ROWS - 1) // SUBCHUNK_ROWS
+    if per_block is None:  # a key head's whole group when there are enough CTAs, else one head a CTA
+        per_block = group if subchunks * key_heads >= SMS else 1
+    c = SUBCHUNK_ROWS
+    sizes = [subchunks * value_heads * c * n for n in (key_dim, value_dim, c, 2)]  # w, u, m, dv (floats)
+    scratch = empty(sum(sizes), np.float32, stream)  # one allocation: each part starts 512-byte aligned
+    at = device_pointer(scratch)
+    parts = []
+    for n in sizes:
+        parts.append(at)
+        at += 4 * n
+    ptrs = [device_pointer(a) for a in (qn, kn, mixed, g, beta)] + parts
+    prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split)
+    prepare[(subchunks, key_heads * (group // per_block)), PREPARE_THREADS, stream, prepare_bytes](
+        *ptrs, rows, off, key_heads, value_heads, channels, v0, per_block)
+    state = device_pointer(states) + slot * value_heads * key_dim * value_dim * 4
+    walk_launch, walk_bytes = walk_kernel(key_dim, bv, warps, split)
+    walk_launch[(value_dim // bv, value_heads), warps * 32, stream, walk_bytes](
+        ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], state, device_pointer(out), rows, off, key_heads,
+        value_heads, value_dim)
+    return out
+
+
+def probe(key_dim: int, value_dim: int, key_heads: int = 1, group: int = 2) -> None:
+    """Compile and run the kernels `delta_mma` uses at these dims once on a small case (70 rows
+    from row 30, so two sub-chunks, one partial) and compare with the float64 twin; raises
+    whatever the compile or launch raises (no NVRTC, no nvJitLink, an old GPU), or
+    RuntimeError on a wrong answer."""
+    from executor.reference import ops
+
+    r = np.random.default_rng(0)
+    rows, value_heads = 70, key_heads * group
+    q = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim))).astype(np.float32)
+    k = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim))).astype(np.float32)
+    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
+    g = -r.uniform(0.01, 0.5, (rows, value_heads)).astype(np.float32)
+    beta = r.uniform(0.1, 0.9, (rows, value_heads)).astype(np.float32)
+    state0 = (r.normal(size=(1, value_heads, key_dim, value_dim)) * 0.3).astype(np.float32)
+    want, want_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, state0[0], 30)
+    states = cuda.to_device(state0)
+    qn = (q * np.float32(key_dim**-0.5)).astype(np.float32)
+    got = delta_mma(cuda.to_device(qn), cuda.to_device(k), cuda.to_device(v.reshape(rows, -1)), 0,
+                    cuda.to_device(g), cuda.to_device(beta), 30, 0, states).copy_to_host()
+    cuda.synchronize()
+    for label, a, b in (("out", got, want), ("state", states.copy_to_host()[0], want_state)):
+        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        if not np.isfinite(a).all() or err > 1e-2:
+            raise RuntimeError(f"tensor-core delta rule probe at key_dim {key_dim}, value_dim {value_dim}: {label} "
+                               f"max error {err:.3g} of the largest value")
