@@ -1,0 +1,159 @@
+// Host emulation of the CUDA features executor/numba_cuda/delta_mma.cu uses, so its device
+// code compiles with g++ and runs on a CPU (CI has no GPU): one ucontext fiber per CUDA
+// thread; __syncthreads and warp-collective barriers; mma.sync.m16n8k8 tf32 built from the PTX
+// ISA fragment tables ("Matrix fragments for mma.m16n8k8", .tf32), exact products summed in
+// double; shfl_up; cp.async that poisons its destination with NaN when issued and lands only
+// at cp.async.wait_group (so a read before the wait, or a missing barrier, shows as NaN or as a
+// wrong value). The scheduler can run threads in order, reversed, shuffled, or one warp ahead
+// of the others to its next barrier (ORDER=0..4), which exposes missing barriers; EAGER=1
+// lands copies at issue. Not a simulator of timing or of the tensor cores' own summation
+// order: values match the hardware to rounding, bits are compared only between emulated runs.
+#pragma once
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+using std::max;
+using std::min;
+
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __align__(x)
+#define FULL_MASK 0xffffffffu
+typedef unsigned int u32;
+
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+// _rn intrinsics: one IEEE operation each (volatile keeps g++ from contracting or reordering)
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+
+enum FiberState { RUN, WAIT_BLOCK, WAIT_WARP, DONE };
+struct Copy { float* dst; const float* src; bool live; };
+struct Fiber {
+    ucontext_t ctx;
+    FiberState state;
+    int tid;
+    std::vector<char> stack;
+    std::vector<Copy> open;                 // cp.async issued, not yet committed
+    std::vector<std::vector<Copy>> groups;  // committed groups, oldest first
+};
+struct Dim3 { int x, y, z; };
+struct ThreadIdx { int x; };
+
+extern Fiber* g_fiber;         // the running thread
+extern ucontext_t g_scheduler;
+extern Dim3 blockIdx;
+extern float* g_smem;          // the block's dynamic shared memory
+extern int g_async;            // 0: cp.async lands at issue; 1: poison at issue, land at wait
+extern unsigned g_exchange[64][32][8];  // per warp and lane: values a warp collective exchanges
+
+#define threadIdx (ThreadIdx{g_fiber->tid})
+
+inline void yield_as(FiberState s) {
+    g_fiber->state = s;
+    swapcontext(&g_fiber->ctx, &g_scheduler);
+}
+inline void __syncthreads() { yield_as(WAIT_BLOCK); }
+inline void warp_barrier() { yield_as(WAIT_WARP); }
+
+inline float __shfl_up_sync(unsigned, float v, int d) {
+    const int w = g_fiber->tid / 32, l = g_fiber->tid % 32;
+    g_exchange[w][l][0] = __float_as_uint(v);
+    warp_barrier();
+    const float r = l >= d ? __uint_as_float(g_exchange[w][l - d][0]) : v;
+    warp_barrier();
+    return r;
+}
+
+namespace delta {
+constexpr int C = 64;
+
+// cvt.rna.tf32.f32: round to nearest, ties away from zero, the low 13 bits cleared.
+inline u32 tf32(float x) {
+    const u32 u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (u & 0xffffe000u) | ((u & 0x7fffffu) ? 0x1000u : 0u);
+    return (u + 0x1000u) & 0xffffe000u;
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 for the calling warp. Aborts when an
+// operand is not a tf32 value (low 13 bits set): the kernel must convert or pre-round it.
+inline void mma_tf32(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    const int w = g_fiber->tid / 32, l = g_fiber->tid % 32;
+    unsigned* mine = g_exchange[w][l];
+    const u32 ops[6] = {a0, a1, a2, a3, b0, b1};
+    for (int i = 0; i < 6; ++i) {
+        if (ops[i] & 0x1fffu) {
+            std::fprintf(stderr, "mma operand %d of lane %d is not tf32\n", i, l);
+            std::abort();
+        }
+        mine[i] = ops[i];
+    }
+    warp_barrier();
+    double a[16][8], b[8][8];
+    for (int x = 0; x < 32; ++x) {  // A: a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4); B: b0 (t, g), b1 (t+4, g)
+        const int g = x / 4, t = x % 4;
+        const unsigned* o = g_exchange[w][x];
+        a[g][t] = __uint_as_float(o[0]);
+        a[g + 8][t] = __uint_as_float(o[1]);
+        a[g][t + 4] = __uint_as_float(o[2]);
+        a[g + 8][t + 4] = __uint_as_float(o[3]);
+        b[t][g] = __uint_as_float(o[4]);
+        b[t + 4][g] = __uint_as_float(o[5]);
+    }
+    const int g = l / 4, t = l % 4;  // D: d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)
+    const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        double s = d[i];
+        for (int k = 0; k < 8; ++k) s += a[rows[i]][k] * b[k][cols[i]];
+        out[i] = (float)s;
+    }
+    warp_barrier();
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+inline void copy16(float* dst, const float* src, bool live) {
+    if (!g_async) {
+        for (int i = 0; i < 4; ++i) dst[i] = live ? src[i] : 0.f;
+        return;
+    }
+    for (int i = 0; i < 4; ++i) dst[i] = NAN;  // in flight: undefined until the wait
+    g_fiber->open.push_back({dst, src, live});
+}
+
+inline void commit() {
+    if (g_async) {
+        g_fiber->groups.push_back(g_fiber->open);
+        g_fiber->open.clear();
+    }
+}
+
+template <int N>
+inline void wait_groups() {
+    auto& groups = g_fiber->groups;
+    while ((int)groups.size() > N) {
+        for (const Copy& c : groups.front())
+            for (int i = 0; i < 4; ++i) c.dst[i] = c.live ? c.src[i] : 0.f;
+        groups.erase(groups.begin());
+    }
+}
+}  // namespace delta
+
+// Run fn as one CUDA block of `threads` threads with block index bid and shared memory smem.
+// Aborts on a deadlock (a barrier not every thread reaches) or a thread that ends while
+// cp.async copies are in flight.
+void run_block(int threads, Dim3 bid, float* smem, const std::function<void()>& fn);

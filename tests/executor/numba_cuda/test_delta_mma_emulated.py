@@ -1,0 +1,175 @@
+"""The tensor-core delta rule's CUDA C++ (executor/numba_cuda/delta_mma.cu) on the CPU, through
+a host emulator of the CUDA features it uses (emulator/cuda_host.h: a fiber per thread, real
+barriers, mma.m16n8k8 tf32 from the PTX fragment tables, cp.async copies that are NaN until
+their wait). CI has no GPU and the numba simulator cannot run linked CUDA C++, so this is where
+CI checks that code: values against the float64 twin at both tf32 splits, every element of
+the outputs and scratch written, no write outside a buffer, the same bits for any chunking on
+the 64-row grid, for every CTA shape, and for every thread schedule; and that the checks fail
+on a planted break (a chunk-start anchor; a barrier removed from the source). The GPU tests
+(test_gpu_delta_mma.py) check the same on the H200. Skips when no C++ compiler is found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.reference import ops
+
+HERE = Path(__file__).parent / "emulator"
+SOURCE = Path(__file__).parents[3] / "executor" / "numba_cuda" / "delta_mma.cu"
+V0 = 4
+TOL = {1: 4e-3, 3: 1e-5}
+"""Relative to max |ref| against the float64 twin (the emulated products are exact, summed in
+double: a little closer than the hardware's; the GPU tests use 4e-3 and 1e-4)."""
+
+
+def device_code(source: str, drop_barrier: int | None = None) -> str:
+    """delta_mma.cu's device code as host C++: the mma helpers and both phases, its dynamic
+    shared memory the emulator's block buffer. drop_barrier: remove the n-th `__syncthreads();`
+    of the walk (a planted race). Raises ValueError when the source lost a marker."""
+    markers = ("template <int SPLIT, bool A_TF32", "__device__ __forceinline__ u32 smem_addr",
+               "// Shared-memory layout of phase 1", "// Entry points")
+    missing = [m for m in markers if m not in source]
+    if missing:
+        raise ValueError(f"delta_mma.cu no longer has {missing}: update device_code")
+    helpers = source[source.index(markers[0]) : source.index(markers[1])]
+    body = source[source.index(markers[2]) : source.index(markers[3])]
+    body = body.replace("extern __shared__ __align__(16) float smem[];", "float* smem = g_smem;")
+    if drop_barrier is not None:
+        walk = body.index("__device__ __forceinline__ void walk(")
+        at = walk
+        for _ in range(drop_barrier + 1):
+            at = body.index("__syncthreads();", at + 1)
+        body = body[:at] + "/* planted: barrier removed */" + body[at + len("__syncthreads();") :]
+    return '#include "cuda_host.h"\nnamespace delta {\n' + helpers + body
+
+
+def _build(out_dir: Path, code: str) -> Path:
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler for the host emulator")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "delta_mma_kernels.inc").write_text(code)
+    exe = out_dir / "delta_mma_host"
+    cmd = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{HERE}", f"-I{out_dir}", "-o", str(exe),
+           str(HERE / "delta_mma_host.cpp"), str(HERE / "cuda_host.cpp")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"host build failed:\n{done.stderr[-4000:]}"
+    return exe
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    code = device_code(SOURCE.read_text())
+    digest = hashlib.sha256((code + (HERE / "cuda_host.h").read_text()).encode()).hexdigest()[:12]
+    return _build(tmp_path_factory.mktemp(f"delta-host-{digest}"), code)
+
+
+def _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim):
+    r = np.random.default_rng(seed)
+    q = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    k = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
+    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
+    g, beta = ops.delta_gates(a, b, np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32),
+                              r.normal(0, 0.5, value_heads).astype(np.float32))
+    state = (r.normal(size=(3, value_heads, key_dim, value_dim)) * 0.3).astype(np.float32)
+    mixed = np.concatenate([r.normal(size=(rows, V0)), v.reshape(rows, -1)], axis=1).astype(np.float32)
+    return q, k, v, g.astype(np.float32), beta.astype(np.float32), state, mixed
+
+
+def _run(exe, tmp, case, *, bv, warps, split, per_block=1, cuts=None, anchor=True, env=None):
+    """(out [rows, value_heads, value_dim], states [3, ...]) of the emulated launches."""
+    seed, start_row, rows, key_heads, value_heads, key_dim, value_dim = case
+    q, k, v, g, beta, state, mixed = _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim)
+    d = Path(tmp)
+    files = {"q": q * np.float32(key_dim**-0.5), "k": k, "mixed": mixed, "g": g, "beta": beta, "state": state,
+             "dims": np.array([rows, key_heads, value_heads, V0])}
+    for name, x in files.items():
+        np.ascontiguousarray(x, np.float32).tofile(d / f"{name}.bin")
+    args = [str(exe), str(d), key_dim, value_dim, bv, warps, split, per_block, start_row, int(anchor)]
+    args += list(cuts or [rows])
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, f"emulated launch failed: {done.stderr[-2000:]}"
+    out = np.fromfile(d / "out.bin", np.float32).reshape(rows, value_heads, value_dim)
+    states = np.fromfile(d / "state_out.bin", np.float32).reshape(state.shape)
+    return out, states
+
+
+def _twin(case):
+    seed, start_row, rows, key_heads, value_heads, key_dim, value_dim = case
+    q, k, v, g, beta, state, _ = _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim)
+    return ops.gated_delta_rule_chunked(q, k, v, g, beta, state[1], start_row), state
+
+
+SMALL = (1, 30, 70, 1, 3, 16, 8)  # seed, start_row, rows, key_heads, value_heads, key_dim, value_dim
+WIDE = (2, 100, 150, 1, 2, 128, 128)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("case, bv, warps", [(SMALL, 8, 4), ((3, 0, 130, 2, 4, 32, 32), 32, 8), (WIDE, 32, 8)],
+                         ids=["tiny-dims", "dims-32", "dims-128"])
+def test_emulated_kernels_match_the_twin(host, tmp_path, case, bv, warps, split):
+    out, states = _run(host, tmp_path, case, bv=bv, warps=warps, split=split)
+    (ref, ref_state), state0 = _twin(case)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    state_err = np.abs(states[1] - ref_state).max() / np.abs(ref_state).max()
+    assert err < TOL[split] and state_err < TOL[split], (err, state_err)
+    np.testing.assert_array_equal(states[[0, 2]], state0[[0, 2]])
+
+
+MID = (3, 0, 130, 2, 4, 32, 32)
+
+
+@pytest.mark.parametrize("case, base, change", [
+    (WIDE, dict(bv=32, warps=8, split=3), dict(cuts=[28, 92, 150])),
+    (WIDE, dict(bv=32, warps=8, split=3), dict(cuts=[92, 150], bv=64)),
+    (WIDE, dict(bv=32, warps=8, split=3), dict(bv=32, warps=4, per_block=2)),
+    (MID, dict(bv=32, warps=8, split=3), dict(cuts=[64, 128, 130], per_block=2)),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"EAGER": "1"})),
+    (MID, dict(bv=32, warps=8, split=1), dict(env={"ORDER": "1"})),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"ORDER": "2"})),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"ORDER": "3"})),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"ORDER": "4"})),
+    (SMALL, dict(bv=8, warps=4, split=1), dict(cuts=[34, 70], per_block=3, env={"ORDER": "3"})),
+], ids=["cuts-on-grid", "bv-64", "4-warps", "cuts-from-0", "copies-land-at-issue", "reversed", "shuffled",
+        "first-warp-ahead", "last-warp-ahead", "tiny-dims"])
+def test_emulated_bits_on_the_grid_for_every_cta_shape_and_schedule(host, tmp_path, case, base, change):
+    """A chunk against chunkings cut on the 64-row grid (from row 100: the first piece is the
+    partial sub-chunk), the other CTA shapes (value heads per phase-1 CTA; BV and warps of phase
+    2), copies landing at once, and other thread schedules (reversed, shuffled, one warp
+    running ahead to its next barrier): the same output and state bits."""
+    want = _run(host, tmp_path, case, **base)
+    got = _run(host, tmp_path, case, **(base | change))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_emulated_planted_chunk_start_anchor_breaks_grid_invariance(host, tmp_path):
+    """Sub-chunks anchored at each chunk's start: the chunk from row 100 in one piece no longer
+    matches the same rows cut at row 128 (the grid check above would turn red)."""
+    whole = _run(host, tmp_path, WIDE, bv=32, warps=8, split=3, anchor=False)
+    pieces = _run(host, tmp_path, WIDE, bv=32, warps=8, split=3, cuts=[28, 150], anchor=False)
+    assert not np.array_equal(whole[0], pieces[0])
+    assert not np.array_equal(whole[1], pieces[1])
+
+
+def test_emulated_planted_missing_barrier_is_caught(tmp_path):
+    """Removing the walk's barrier after the W S / q S products (before the next sub-chunk's
+    W and q are copied over them) must show: a crash, NaNs, or other values."""
+    exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), drop_barrier=1))
+    case = (4, 0, 130, 1, 2, 128, 128)
+    good_out = _twin(case)[0][0]
+    try:
+        out, _ = _run(exe, tmp_path, case, bv=32, warps=8, split=3, env={"ORDER": "3"})
+    except AssertionError:
+        return  # the emulator aborted: an unwritten element, a write outside a buffer, a deadlock
+    assert not np.isfinite(out).all() or np.abs(out - good_out).max() > 1e-3 * np.abs(good_out).max()
