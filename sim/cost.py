@@ -87,7 +87,8 @@ class Grid:
     """Measured seconds over a 2-D grid: seconds[i][j] at (x[i], y[j]), axes strictly ascending.
 
     `at(x, y)` interpolates bilinearly; below an axis's first point it holds the edge value;
-    above the last y it extends the last segment linearly; above the last x it scales the
+    above the last y it extends each x row's last segment linearly, never below the value of
+    a smaller x (a larger x can have the smaller slope); above the last x it scales the
     value at the last x by x / x_last (work grows with rows: a linear extension of the last
     x segment, whose slope can shrink as y grows, would make cost fall with context);
     never below 0. Non-decreasing in both axes when the table is.
@@ -105,7 +106,11 @@ class Grid:
         s = self.seconds
         low = _lerp(s[i0][j0], s[i0][j1], wj)
         high = _lerp(s[i1][j0], s[i1][j1], wj)
-        return max(0.0, _lerp(low, high, wi))
+        value = _lerp(low, high, wi)
+        if wj > 1.0:  # past the last y each x row extends its own last segment, and a larger x
+            for i in range(i0 + 1):  # can have the smaller slope: stay at or above every x row below
+                value = max(value, _lerp(s[i][j0], s[i][j1], wj))
+        return max(0.0, value)
 
 
 @attrs.frozen(kw_only=True)

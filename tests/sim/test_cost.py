@@ -19,6 +19,7 @@ from sim.api import simulate
 from sim.cost import (
     DEFAULT_PROFILE,
     AnalyticCost,
+    Grid,
     HostCost,
     Profile,
     TableCost,
@@ -239,6 +240,22 @@ def test_table_form_interpolates():
     assert p.decode_round_s(5, [0, 200, 100, 100, 100]) == pytest.approx(0.03)  # mean context 100
     assert p.keep_s(4e9) == pytest.approx(2.0)
     assert profile_from_dict(profile_to_dict(p)) == p
+
+
+def test_grid_past_the_last_context_stays_non_decreasing_in_rows():
+    """A larger chunk can have the smaller context slope (the shipped 9B profile's 256-row row
+    grows 9.7 ms over the last 16,384 context rows, its 64-row row 10.5 ms): extended past the
+    last context, the 256-row value would fall under the 64-row one. Found by
+    test_costs_grow_with_work at (64 rows, 41,535 context) with that profile."""
+    grid = Grid(x=(64.0, 256.0), y=(16384.0, 32768.0), seconds=((21.53, 32.02), (22.76, 32.44)))
+    y = 41535.0
+    at_64 = 21.53 + (y - 16384) / 16384 * (32.02 - 21.53)
+    assert grid.at(64, y) == pytest.approx(at_64)
+    assert grid.at(256, y) == pytest.approx(at_64)  # held at the 64-row value, not 37.62
+    assert grid.at(65, y) >= grid.at(64, y) and grid.at(300, y) >= grid.at(256, y)
+    assert grid.at(256, 32768) == 32.44  # inside the grid nothing changes
+    p = load_profile("qwen3.5-9b-h200")
+    assert p.prefill_s(64, 41535) <= p.prefill_s(65, 41535)
 
 
 def mutate(d: dict, path: str, value: object) -> dict:
