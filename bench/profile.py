@@ -302,6 +302,9 @@ def to_profile(m: Measured, rig: Rig, name: str, command: str) -> Profile:
                   ("decode", rig.decode_mode), ("wall_s", f"{m.wall_s:.1f}"))
     if m.host is not None:
         provenance += (("host", m.host.record()),)
+    for path in ("prefill_delta", "prefill_attention"):  # the GPU backend's kernel paths (their bits and speed differ)
+        if isinstance(getattr(type(rig.backend), path, None), property):
+            provenance += ((path, str(getattr(rig.backend, path))),)
     return Profile(name=name, source="measured", gpu=rig.device, model=rig.model, shape=rig.backend.config.shape,
                    invariant_rows=getattr(rig.backend, "invariant_rows", None), cost=cost, notes=notes,
                    provenance=provenance)

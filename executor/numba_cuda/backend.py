@@ -217,7 +217,8 @@ class NumbaCudaBackend:
         why = delta_mma.unavailable(c.linear_key_head_dim, c.linear_value_head_dim)
         if why is None:
             try:
-                delta_mma.probe(c.linear_key_head_dim, c.linear_value_head_dim)
+                delta_mma.probe(c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_key_heads,
+                                c.linear_num_value_heads // c.linear_num_key_heads)
             except Exception as exc:  # noqa: BLE001 - no NVRTC / nvJitLink / mma here: the next path
                 why = f"{type(exc).__name__}: {exc}"
         return why

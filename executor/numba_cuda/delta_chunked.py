@@ -389,7 +389,7 @@ def check_chunk_args(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int,
     slots, value_heads, _, value_dim = states.shape
     if tuple(kn.shape) != tuple(qn.shape) or states.shape[2] != key_dim or value_heads % key_heads:
         raise ValueError(f"qn {qn.shape} / kn {kn.shape} do not fit states {states.shape}")
-    if mixed.shape[0] != rows or mixed.shape[1] < v0 + value_heads * value_dim:
+    if mixed.shape[0] != rows or v0 < 0 or mixed.shape[1] < v0 + value_heads * value_dim:
         raise ValueError(f"mixed {mixed.shape} does not hold v at column {v0} for states {states.shape}")
     if tuple(g.shape) != (rows, value_heads) or tuple(beta.shape) != (rows, value_heads):
         raise ValueError(f"g {g.shape} / beta {beta.shape} do not fit {rows} rows of {value_heads} value heads")

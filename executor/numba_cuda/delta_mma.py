@@ -11,8 +11,9 @@ from the CUDA-core path's (tf32 products, another order), so a backend picks one
 
 Phase 1 (`delta_prepare`, parallel over sub-chunks): W = T (beta e^c k), U = T (beta v),
 M = lower_incl((q k^T) e^(c_i - c_j)) and the row factors, into scratch (82 KB per sub-chunk
-and value head at key/value dim 128: 1.35 GB for the 9B shape's 32 value heads over 32,768
-rows). Phase 2 (`delta_walk`): one CTA per value head and BV state columns walks the
+and value head at key/value dim 128, 2.6x the CUDA-core path's 32 KB: 252 MB for a 4,096-row
+27B chunk, the policy's largest by default; 1.35 GB for the 9B shape's 32 value heads over
+32,768 rows, 2.0 GB for the 27B's 48; freed blocks stay in the device pool). Phase 2 (`delta_walk`): one CTA per value head and BV state columns walks the
 sub-chunks with its state in registers: V' = U - W S, O = e^c (q S) + M V',
 S = e^(c_last) S + (k e^(c_last - c))^T V'.
 
@@ -42,7 +43,15 @@ KEY_DIMS = (16, 32, 64, 128)
 """Key dims (KD) the source is instantiated for (multiples of 16: the state's m-tiles)."""
 VALUE_DIMS = (8, 16, 32, 64, 128)
 """Value dims (VD) the source is instantiated for (multiples of 8: the mma n-tiles)."""
-SPLIT = int(os.environ.get("WARMSTATE_DELTA_SPLIT", "3"))
+def _split_from_env() -> int:
+    """WARMSTATE_DELTA_SPLIT as 1 or 3 (default 3). Raises ValueError naming the variable."""
+    value = os.environ.get("WARMSTATE_DELTA_SPLIT", "3").strip()
+    if value not in ("1", "3"):
+        raise ValueError(f"WARMSTATE_DELTA_SPLIT must be 1 or 3, got {value!r}")
+    return int(value)
+
+
+SPLIT = _split_from_env()
 """tf32 products per product: 3 (3xTF32, ~fp32 operands: the default) or 1 (plain tf32;
 WARMSTATE_DELTA_SPLIT=1). Measured on the H200 (RESULTS.md, session 9): against the float64
 twin, outputs and states within ~2e-6 of their largest value with 3 and ~7e-4 with 1; the 9B
@@ -54,7 +63,8 @@ flips the bf16 rounding of some out_proj inputs, and the flips carry through the
 one value."""
 PREPARE_THREADS = 256
 SMS = 132
-"""Multiprocessors of the H200: phase 2 picks the widest column split that fills them."""
+"""Multiprocessors of the H200, the default of `walk_shape` (`multiprocessors()` reads the
+device's own count for the launches)."""
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -70,7 +80,17 @@ def _walk_floats(kd: int, bv: int) -> int:
     return 2 * c * (kd + 4) + c * (kd + 8) + c * (c + 4) + kd * (bv + 8) + c * (bv + 8) + 2 * c
 
 
-def walk_shape(value_dim: int, value_heads: int) -> tuple[int, int]:
+def multiprocessors() -> int:
+    """The current device's multiprocessor count (SMS under the simulator or on error)."""
+    if IS_SIMULATOR:
+        return SMS
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # noqa: BLE001 - a count for a launch heuristic, never an error
+        return SMS
+
+
+def walk_shape(value_dim: int, value_heads: int, sms: int = SMS) -> tuple[int, int]:
     """(BV state columns, warps) of a phase-2 CTA: 32 columns on 8 warps while
     value_dim / 32 * value_heads CTAs fit the multiprocessors in one wave (9B: 128), else 64
     columns on 8 warps (27B: 48 value heads -> 96 CTAs, not 192 in two waves); value_dim
@@ -79,7 +99,7 @@ def walk_shape(value_dim: int, value_heads: int) -> tuple[int, int]:
     bit (each state element is one mma chain)."""
     if value_dim < 32:
         return value_dim, 4
-    if value_dim % 64 == 0 and value_dim // 32 * value_heads > SMS:
+    if value_dim % 64 == 0 and value_dim // 32 * value_heads > sms:
         return 64, 8
     return 32, 8
 
@@ -176,6 +196,8 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     rows, key_heads, key_dim, value_heads, value_dim = check_chunk_args(qn, kn, mixed, v0, g, beta, start_row, slot,
                                                                        states)
     channels = mixed.shape[1]
+    if key_dim not in KEY_DIMS or value_dim not in VALUE_DIMS:
+        raise RuntimeError(f"tensor-core delta rule: {unavailable(key_dim, value_dim)}")
     if v0 % 4 or channels % 4:
         raise ValueError(f"mixed {mixed.shape}: v0 {v0} and its row length must be multiples of 4 (16-byte rows)")
     if out is not None:
@@ -188,8 +210,9 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     split = SPLIT if split is None else split
     if split not in (1, 3):
         raise ValueError(f"split must be 1 or 3, got {split}")
-    bv, warps = walk_shape(value_dim, value_heads) if walk is None else walk
-    if value_dim % bv or bv % 8 or warps not in (4, 8) or bv // 8 % (warps // 4):
+    sms = multiprocessors()
+    bv, warps = walk_shape(value_dim, value_heads, sms) if walk is None else walk
+    if bv < 8 or value_dim % bv or bv % 8 or warps not in (4, 8) or bv // 8 % (warps // 4):
         raise ValueError(f"walk (BV {bv}, warps {warps}) does not split value_dim {value_dim}")
     for name, array in (("qn", qn), ("kn", kn), ("mixed", mixed), ("g", g), ("beta", beta), ("states", states),
                         ("out", out)):
@@ -208,7 +231,7 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     off = _subchunk_offset(start_row)
     subchunks = (off + rows + SUBCHUNK_ROWS - 1) // SUBCHUNK_ROWS
     if per_block is None:  # a key head's whole group when there are enough CTAs, else one head a CTA
-        per_block = group if subchunks * key_heads >= SMS else 1
+        per_block = group if subchunks * key_heads >= sms else 1
     c = SUBCHUNK_ROWS
     sizes = [subchunks * value_heads * c * n for n in (key_dim, value_dim, c, 2)]  # w, u, m, dv (floats)
     scratch = empty(sum(sizes), np.float32, stream)  # one allocation: each part starts 512-byte aligned
@@ -230,10 +253,11 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
 
 
 def probe(key_dim: int, value_dim: int, key_heads: int = 1, group: int = 2) -> None:
-    """Compile and run the kernels `delta_mma` uses at these dims once on a small case (70 rows
-    from row 30, so two sub-chunks, one partial) and compare with the float64 twin; raises
-    whatever the compile or launch raises (no NVRTC, no nvJitLink, an old GPU), or
-    RuntimeError on a wrong answer."""
+    """Compile and run the kernels `delta_mma` uses at these dims and head counts (the phase-2
+    shape follows the value heads: give the model's) once on a small case (70 rows from row 30:
+    two partial sub-chunks) and compare with the float64 twin; raises whatever the compile or
+    launch raises (no NVRTC, no nvJitLink, an old GPU, too little shared memory for the shape),
+    or RuntimeError on a wrong answer."""
     from executor.reference import ops
 
     r = np.random.default_rng(0)

@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from itertools import pairwise
 from pathlib import Path
 
@@ -31,10 +32,15 @@ TOL = {1: 4e-3, 3: 1e-5}
 double: a little closer than the hardware's; the GPU tests use 4e-3 and 1e-4)."""
 
 
-def device_code(source: str, drop_barrier: int | None = None) -> str:
+PLANTED_BARRIER = "__syncthreads();  // W, q and S buffers read"
+"""The walk's barrier between its last reads of the W and q buffers and the copies of the next
+sub-chunk into them: removed, a warp that runs ahead overwrites rows the others still read."""
+
+
+def device_code(source: str, drop_barrier: bool = False) -> str:
     """delta_mma.cu's device code as host C++: the mma helpers and both phases, its dynamic
-    shared memory the emulator's block buffer. drop_barrier: remove the n-th `__syncthreads();`
-    of the walk (a planted race). Raises ValueError when the source lost a marker."""
+    shared memory the emulator's block buffer. drop_barrier: remove PLANTED_BARRIER (a planted
+    race). Raises ValueError when the source lost a marker."""
     markers = ("template <int SPLIT, bool A_TF32", "__device__ __forceinline__ u32 smem_addr",
                "// Shared-memory layout of phase 1", "// Entry points")
     missing = [m for m in markers if m not in source]
@@ -43,12 +49,10 @@ def device_code(source: str, drop_barrier: int | None = None) -> str:
     helpers = source[source.index(markers[0]) : source.index(markers[1])]
     body = source[source.index(markers[2]) : source.index(markers[3])]
     body = body.replace("extern __shared__ __align__(16) float smem[];", "float* smem = g_smem;")
-    if drop_barrier is not None:
-        walk = body.index("__device__ __forceinline__ void walk(")
-        at = walk
-        for _ in range(drop_barrier + 1):
-            at = body.index("__syncthreads();", at + 1)
-        body = body[:at] + "/* planted: barrier removed */" + body[at + len("__syncthreads();") :]
+    if drop_barrier:
+        if body.count(PLANTED_BARRIER) != 1:
+            raise ValueError(f"delta_mma.cu no longer has exactly one {PLANTED_BARRIER!r}")
+        body = body.replace(PLANTED_BARRIER, "/* planted: barrier removed */")
     return '#include "cuda_host.h"\nnamespace delta {\n' + helpers + body
 
 
@@ -86,8 +90,8 @@ def _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim):
     return q, k, v, g.astype(np.float32), beta.astype(np.float32), state, mixed
 
 
-def _run(exe, tmp, case, *, bv, warps, split, per_block=1, cuts=None, anchor=True, env=None):
-    """(out [rows, value_heads, value_dim], states [3, ...]) of the emulated launches."""
+def _launch(exe, tmp, case, *, bv, warps, split, per_block=1, cuts=None, anchor=True, env=None):
+    """Write the case's inputs into tmp and run the host runner: the CompletedProcess."""
     seed, start_row, rows, key_heads, value_heads, key_dim, value_dim = case
     q, k, v, g, beta, state, mixed = _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim)
     d = Path(tmp)
@@ -97,11 +101,18 @@ def _run(exe, tmp, case, *, bv, warps, split, per_block=1, cuts=None, anchor=Tru
         np.ascontiguousarray(x, np.float32).tofile(d / f"{name}.bin")
     args = [str(exe), str(d), key_dim, value_dim, bv, warps, split, per_block, start_row, int(anchor)]
     args += list(cuts or [rows])
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DELTA_HOST_")}
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
+                          env={**base, **(env or {})})
+
+
+def _run(exe, tmp, case, **kwargs):
+    """(out [rows, value_heads, value_dim], states [3, ...]) of the emulated launches."""
+    done = _launch(exe, tmp, case, **kwargs)
     assert done.returncode == 0, f"emulated launch failed: {done.stderr[-2000:]}"
-    out = np.fromfile(d / "out.bin", np.float32).reshape(rows, value_heads, value_dim)
-    states = np.fromfile(d / "state_out.bin", np.float32).reshape(state.shape)
+    _, _, rows, _, value_heads, key_dim, value_dim = case
+    out = np.fromfile(Path(tmp) / "out.bin", np.float32).reshape(rows, value_heads, value_dim)
+    states = np.fromfile(Path(tmp) / "state_out.bin", np.float32).reshape(3, value_heads, key_dim, value_dim)
     return out, states
 
 
@@ -135,12 +146,12 @@ MID = (3, 0, 130, 2, 4, 32, 32)
     (WIDE, dict(bv=32, warps=8, split=3), dict(cuts=[92, 150], bv=64)),
     (WIDE, dict(bv=32, warps=8, split=3), dict(bv=32, warps=4, per_block=2)),
     (MID, dict(bv=32, warps=8, split=3), dict(cuts=[64, 128, 130], per_block=2)),
-    (MID, dict(bv=32, warps=8, split=3), dict(env={"EAGER": "1"})),
-    (MID, dict(bv=32, warps=8, split=1), dict(env={"ORDER": "1"})),
-    (MID, dict(bv=32, warps=8, split=3), dict(env={"ORDER": "2"})),
-    (MID, dict(bv=32, warps=8, split=3), dict(env={"ORDER": "3"})),
-    (MID, dict(bv=32, warps=8, split=3), dict(env={"ORDER": "4"})),
-    (SMALL, dict(bv=8, warps=4, split=1), dict(cuts=[34, 70], per_block=3, env={"ORDER": "3"})),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"DELTA_HOST_EAGER": "1"})),
+    (MID, dict(bv=32, warps=8, split=1), dict(env={"DELTA_HOST_ORDER": "1"})),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"DELTA_HOST_ORDER": "2"})),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"DELTA_HOST_ORDER": "3"})),
+    (MID, dict(bv=32, warps=8, split=3), dict(env={"DELTA_HOST_ORDER": "4"})),
+    (SMALL, dict(bv=8, warps=4, split=1), dict(cuts=[34, 70], per_block=3, env={"DELTA_HOST_ORDER": "3"})),
 ], ids=["cuts-on-grid", "bv-64", "4-warps", "cuts-from-0", "copies-land-at-issue", "reversed", "shuffled",
         "first-warp-ahead", "last-warp-ahead", "tiny-dims"])
 def test_emulated_bits_on_the_grid_for_every_cta_shape_and_schedule(host, tmp_path, case, base, change):
@@ -163,13 +174,36 @@ def test_emulated_planted_chunk_start_anchor_breaks_grid_invariance(host, tmp_pa
 
 
 def test_emulated_planted_missing_barrier_is_caught(tmp_path):
-    """Removing the walk's barrier after the W S / q S products (before the next sub-chunk's
-    W and q are copied over them) must show: a crash, NaNs, or other values."""
-    exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), drop_barrier=1))
+    """Without PLANTED_BARRIER, the first warp running ahead (DELTA_HOST_ORDER=3) copies the next
+    sub-chunk over rows the other warps still read: the emulator aborts on the NaN of a copy in
+    flight reaching an mma (or an unwritten output), or the values come out wrong."""
+    exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), drop_barrier=True))
     case = (4, 0, 130, 1, 2, 128, 128)
-    good_out = _twin(case)[0][0]
-    try:
-        out, _ = _run(exe, tmp_path, case, bv=32, warps=8, split=3, env={"ORDER": "3"})
-    except AssertionError:
-        return  # the emulator aborted: an unwritten element, a write outside a buffer, a deadlock
-    assert not np.isfinite(out).all() or np.abs(out - good_out).max() > 1e-3 * np.abs(good_out).max()
+    done = _launch(exe, tmp_path, case, bv=32, warps=8, split=3, env={"DELTA_HOST_ORDER": "3"})
+    if done.returncode:
+        assert done.returncode == -6, done.stderr[-2000:]  # SIGABRT from a check, not a usage error
+        assert any(m in done.stderr for m in ("is NaN", "unwritten", "outside the buffer", "deadlock", "in flight")), \
+            done.stderr[-2000:]
+        return
+    out = np.fromfile(tmp_path / "out.bin", np.float32)
+    want = _twin(case)[0][0].ravel()
+    assert not np.isfinite(out).all() or np.abs(out - want).max() > 1e-3 * np.abs(want).max()
+
+
+def test_host_runner_shared_memory_equals_the_launcher_s(host):
+    """The shared floats delta_mma.py asks for at launch equal the source's PrepareSmem /
+    WalkSmem for every build of the runner (the emulator's buffers are those structs)."""
+    listed = subprocess.run([str(host), "--sizes"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    rows = [tuple(int(v) for v in line.split()) for line in listed.stdout.splitlines()]
+    assert len(rows) >= 5
+    script = ("import sys; from executor.numba_cuda import delta_mma as d; "
+              "print(*[f'{d._prepare_floats(int(a), int(b))} {d._walk_floats(int(a), int(c))}' "
+              "for a, b, c in (x.split(',') for x in sys.argv[1:])], sep='\\n')")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
+    args = [f"{kd},{vd},{bv}" for kd, vd, bv, *_ in rows]
+    python = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                            env=env, cwd=Path(__file__).parents[3])
+    assert python.returncode == 0, python.stderr[-2000:]
+    want = [tuple(int(v) for v in line.split()) for line in python.stdout.splitlines()]
+    assert want == [(p, w) for *_, p, w in rows]

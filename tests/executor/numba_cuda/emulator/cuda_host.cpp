@@ -30,7 +30,7 @@ static std::vector<int> run_order(int threads, int mode) {
 }
 
 void run_block(int threads, Dim3 bid, float* smem, const std::function<void()>& fn) {
-    static const int mode = std::getenv("ORDER") ? std::atoi(std::getenv("ORDER")) : 0;
+    static const int mode = std::getenv("DELTA_HOST_ORDER") ? std::atoi(std::getenv("DELTA_HOST_ORDER")) : 0;
     blockIdx = bid;
     g_smem = smem;
     g_body = &fn;

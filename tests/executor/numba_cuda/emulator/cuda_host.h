@@ -5,8 +5,8 @@
 // double; shfl_up; cp.async that poisons its destination with NaN when issued and lands only
 // at cp.async.wait_group (so a read before the wait, or a missing barrier, shows as NaN or as a
 // wrong value). The scheduler can run threads in order, reversed, shuffled, or one warp ahead
-// of the others to its next barrier (ORDER=0..4), which exposes missing barriers; EAGER=1
-// lands copies at issue. Not a simulator of timing or of the tensor cores' own summation
+// of the others to its next barrier (DELTA_HOST_ORDER=0..4), which exposes missing barriers;
+// DELTA_HOST_EAGER=1 lands copies at issue. Not a simulator of timing or of the tensor cores' own summation
 // order: values match the hardware to rounding, bits are compared only between emulated runs.
 #pragma once
 #include <ucontext.h>
@@ -90,12 +90,18 @@ inline u32 tf32(float x) {
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 for the calling warp. Aborts when an
-// operand is not a tf32 value (low 13 bits set): the kernel must convert or pre-round it.
+// operand is NaN (every buffer starts as NaN, and a cp.async destination is NaN until its
+// wait: the kernel read memory nothing wrote yet) or not a tf32 value (low 13 bits set: the
+// kernel must convert or pre-round it).
 inline void mma_tf32(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     const int w = g_fiber->tid / 32, l = g_fiber->tid % 32;
     unsigned* mine = g_exchange[w][l];
     const u32 ops[6] = {a0, a1, a2, a3, b0, b1};
     for (int i = 0; i < 6; ++i) {
+        if ((ops[i] & 0x7f800000u) == 0x7f800000u && (ops[i] & 0x7fffffu)) {
+            std::fprintf(stderr, "mma operand %d of lane %d is NaN: a read of memory not yet written\n", i, l);
+            std::abort();
+        }
         if (ops[i] & 0x1fffu) {
             std::fprintf(stderr, "mma operand %d of lane %d is not tf32\n", i, l);
             std::abort();

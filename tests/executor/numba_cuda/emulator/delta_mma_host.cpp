@@ -2,6 +2,7 @@
 // `delta_mma_kernels.inc` is delta_mma.cu's device code, made by test_delta_mma_emulated.py.
 //
 // usage: delta_mma_host DIR KD VD BV WARPS SPLIT PER_BLOCK START_ROW ANCHOR CUT1 CUT2 ...
+//        delta_mma_host --sizes   (each build's KD VD BV WARPS and shared floats of both phases)
 //   DIR holds q, k, mixed, g, beta, state (.bin, f32, as delta_mma takes them; dims.bin: rows,
 //   key_heads, value_heads, v0) and receives out.bin and state_out.bin. Cuts are relative rows,
 //   the last one the row count. ANCHOR 1 anchors sub-chunks at absolute multiples of 64 (as the
@@ -128,16 +129,26 @@ int run(int argc, char** argv) {
     return 0;
 }
 
+template <int KD, int VD, int BV, int WARPS, int SPLIT>
+int sizes() {
+    std::printf("%d %d %d %d %d %d\n", KD, VD, BV, WARPS, delta::PrepareSmem<KD, VD>::FLOATS,
+                delta::WalkSmem<KD, BV>::FLOATS);
+    return 0;
+}
+
 int main(int argc, char** argv) {
-    if (argc < 11) {
+    const bool list = argc == 2 && std::strcmp(argv[1], "--sizes") == 0;
+    if (!list && argc < 11) {
         std::fprintf(stderr, "usage: %s DIR KD VD BV WARPS SPLIT PER_BLOCK START_ROW ANCHOR CUTS...\n", argv[0]);
         return 2;
     }
-    const int kd = std::atoi(argv[2]), vd = std::atoi(argv[3]), bv = std::atoi(argv[4]), warps = std::atoi(argv[5]),
-              split = std::atoi(argv[6]);
-    if (std::getenv("EAGER")) g_async = 0;
-#define CASE(KD, VD, BV, WARPS, SPLIT) \
-    if (kd == KD && vd == VD && bv == BV && warps == WARPS && split == SPLIT) return run<KD, VD, BV, WARPS, SPLIT>(argc, argv);
+    const int kd = list ? 0 : std::atoi(argv[2]), vd = list ? 0 : std::atoi(argv[3]), bv = list ? 0 : std::atoi(argv[4]),
+              warps = list ? 0 : std::atoi(argv[5]), split = list ? 0 : std::atoi(argv[6]);
+    const char* eager = std::getenv("DELTA_HOST_EAGER");
+    if (eager && std::strcmp(eager, "1") == 0) g_async = 0;
+#define CASE(KD, VD, BV, WARPS, SPLIT)                                                             \
+    if (list) sizes<KD, VD, BV, WARPS, SPLIT>();                                                   \
+    else if (kd == KD && vd == VD && bv == BV && warps == WARPS && split == SPLIT) return run<KD, VD, BV, WARPS, SPLIT>(argc, argv);
     CASE(16, 8, 8, 4, 1)
     CASE(16, 8, 8, 4, 3)
     CASE(32, 32, 32, 8, 1)
@@ -147,6 +158,7 @@ int main(int argc, char** argv) {
     CASE(128, 128, 32, 4, 3)
     CASE(128, 128, 64, 8, 3)
 #undef CASE
+    if (list) return 0;
     std::fprintf(stderr, "no instantiation for KD %d VD %d BV %d WARPS %d SPLIT %d\n", kd, vd, bv, warps, split);
     return 2;
 }
