@@ -80,8 +80,10 @@ def _walk_floats(kd: int, bv: int) -> int:
     return 2 * c * (kd + 4) + c * (kd + 8) + c * (c + 4) + kd * (bv + 8) + c * (bv + 8) + 2 * c
 
 
+@functools.cache
 def multiprocessors() -> int:
-    """The current device's multiprocessor count (SMS under the simulator or on error)."""
+    """The device's multiprocessor count, read once a process (SMS under the simulator or on
+    error): a launch heuristic, asked on every call of `delta_mma`."""
     if IS_SIMULATOR:
         return SMS
     try:
