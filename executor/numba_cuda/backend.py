@@ -100,6 +100,7 @@ class NumbaCudaBackend:
         self.attention_failures: dict[str, str] = {}
         """Why a prefill attention path was passed over when choosing (path -> reason)."""
         self._prefill_delta: str | None = None
+        self._delta_mma_why: str | None = None  # the probe's verdict, "" once it passed
         self.delta_failures: dict[str, str] = {}
         """Why a prefill delta-rule path was passed over when choosing (path -> reason)."""
         forced = os.environ.get(PREFILL_ATTENTION_ENV)
@@ -213,15 +214,19 @@ class NumbaCudaBackend:
         self._prefill_delta = path
 
     def _delta_mma_failure(self) -> str | None:
-        c = self.config
-        why = delta_mma.unavailable(c.linear_key_head_dim, c.linear_value_head_dim)
-        if why is None:
-            try:
-                delta_mma.probe(c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_key_heads,
-                                c.linear_num_value_heads // c.linear_num_key_heads)
-            except Exception as exc:  # noqa: BLE001 - no NVRTC / nvJitLink / mma here: the next path
-                why = f"{type(exc).__name__}: {exc}"
-        return why
+        """Why the tensor-core delta rule cannot run for this model (None when it can): its dims,
+        or its probe at the model's dims and head counts, run once a backend."""
+        if self._delta_mma_why is None:
+            c = self.config
+            why = delta_mma.unavailable(c.linear_key_head_dim, c.linear_value_head_dim)
+            if why is None:
+                try:
+                    delta_mma.probe(c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_key_heads,
+                                    c.linear_num_value_heads // c.linear_num_key_heads)
+                except Exception as exc:  # noqa: BLE001 - no NVRTC / nvJitLink / mma here: the next path
+                    why = f"{type(exc).__name__}: {exc}"
+            self._delta_mma_why = why or ""
+        return self._delta_mma_why or None
 
     def _choose_prefill_delta(self) -> str:
         why = self._delta_mma_failure()

@@ -43,6 +43,8 @@ KEY_DIMS = (16, 32, 64, 128)
 """Key dims (KD) the source is instantiated for (multiples of 16: the state's m-tiles)."""
 VALUE_DIMS = (8, 16, 32, 64, 128)
 """Value dims (VD) the source is instantiated for (multiples of 8: the mma n-tiles)."""
+
+
 def _split_from_env() -> int:
     """WARMSTATE_DELTA_SPLIT as 1 or 3 (default 3). Raises ValueError naming the variable."""
     value = os.environ.get("WARMSTATE_DELTA_SPLIT", "3").strip()
@@ -224,9 +226,8 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
             raise ValueError(f"{name} must be C-contiguous")
         if array.size and not IS_SIMULATOR and device_pointer(array) % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
-    why = unavailable(key_dim, value_dim)
-    if why is not None:
-        raise RuntimeError(f"tensor-core delta rule: {why}")
+    if IS_SIMULATOR:  # after the argument checks, which run under the simulator too
+        raise RuntimeError(f"tensor-core delta rule: {unavailable(key_dim, value_dim)}")
     out = empty((rows, value_heads, value_dim), np.float32, stream) if out is None else out
     if not rows:
         return out

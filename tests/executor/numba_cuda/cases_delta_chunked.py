@@ -16,23 +16,11 @@ import pytest
 from executor.numba_cuda import delta_chunked, delta_mma, delta_rule
 from executor.numba_cuda.device import IS_SIMULATOR, poisoned, to_device
 from executor.reference import ops
-from tests.executor.numba_cuda.kernel_support import host, rng
+from tests.executor.numba_cuda.kernel_support import delta_inputs, host, rng
 from tests.helpers import assert_close
 
 V0 = 3  # v starts at this column of `mixed` (the kernel must honour the offset)
 TOL = 1e-4  # relative to max |ref|: fp32 sub-chunks against the float64 twin (~1e-6 seen)
-
-
-def _inputs(r, rows, key_heads, value_heads, key_dim, value_dim):
-    """q, k (L2-normalised, unscaled), v, g, beta as the twin takes them."""
-    q = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
-    k = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
-    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
-    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
-    a_log = np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32)
-    dt_bias = r.normal(0, 0.5, value_heads).astype(np.float32)
-    g, beta = ops.delta_gates(a, b, a_log, dt_bias)
-    return q, k, v, g.astype(np.float32), beta.astype(np.float32)
 
 
 def _chunked(inputs, states, slot, start_row, cuts):
@@ -60,7 +48,7 @@ def _chunked(inputs, states, slot, start_row, cuts):
 )
 def test_delta_chunked_matches_twin(start_row, rows, key_heads, value_heads, key_dim, value_dim):
     r = rng()
-    inputs = _inputs(r, rows, key_heads, value_heads, key_dim, value_dim)
+    inputs = delta_inputs(r, rows, key_heads, value_heads, key_dim, value_dim)
     state0 = (r.normal(size=(3, value_heads, key_dim, value_dim)) * 0.3).astype(np.float32)
     states = to_device(state0)
     out = _chunked(inputs, states, 1, start_row, [0, rows])
@@ -77,7 +65,7 @@ def test_delta_chunked_phase2_variants_match_twin(monkeypatch, cols, threads):
     monkeypatch.setattr(delta_chunked, "STATE_COLS", cols)
     monkeypatch.setattr(delta_chunked, "STATE_THREADS", threads)
     r = rng()
-    inputs = _inputs(r, 40, 1, 2, 16, 36)
+    inputs = delta_inputs(r, 40, 1, 2, 16, 36)
     state0 = (r.normal(size=(1, 2, 16, 36)) * 0.3).astype(np.float32)
     states = to_device(state0)
     out = _chunked(inputs, states, 0, 50, [0, 40])
@@ -91,7 +79,7 @@ def test_delta_chunked_phase1_blocks_do_not_change_bits(monkeypatch):
     head's whole group of 3 value heads: identical output and state bits (every block runs
     the same operations for its value head). 40 rows from row 40 cross the 64-row anchor."""
     r = rng()
-    inputs = _inputs(r, 40, 1, 3, 8, 8)
+    inputs = delta_inputs(r, 40, 1, 3, 8, 8)
     state0 = (r.normal(size=(1, 3, 8, 8)) * 0.3).astype(np.float32)
     states = to_device(state0)
     ours = _chunked(inputs, states, 0, 40, [0, 40])
@@ -111,7 +99,7 @@ def test_delta_chunked_is_bit_identical_on_the_64_row_grid(start_row, rows, chun
     """One chunk against chunkings cut at absolute multiples of 64 (after an off-grid
     start, the first piece is the partial sub-chunk): same output and state bits."""
     r = rng()
-    inputs = _inputs(r, rows, 1, 1, 8, 8)
+    inputs = delta_inputs(r, rows, 1, 1, 8, 8)
     state0 = (r.normal(size=(1, 1, 8, 8)) * 0.3).astype(np.float32)
     states = to_device(state0)
     whole = _chunked(inputs, states, 0, start_row, [0, rows])
@@ -127,7 +115,7 @@ def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
     from row 100 in one piece no longer matches the same rows cut at row 128."""
     monkeypatch.setattr(delta_chunked, "_subchunk_offset", lambda start_row: 0)
     r = rng()
-    inputs = _inputs(r, 156, 1, 1, 8, 8)
+    inputs = delta_inputs(r, 156, 1, 1, 8, 8)
     state0 = (r.normal(size=(1, 1, 8, 8)) * 0.3).astype(np.float32)
     whole_states, piece_states = to_device(state0), to_device(state0)
     whole = _chunked(inputs, whole_states, 0, 100, [0, 156])
@@ -139,7 +127,7 @@ def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
 def test_delta_chunked_agrees_with_recurrence():
     r = rng()
     rows, start_row = 20, 54
-    q, k, v, g, beta = _inputs(r, rows, 1, 2, 8, 8)
+    q, k, v, g, beta = delta_inputs(r, rows, 1, 2, 8, 8)
     state0 = (r.normal(size=(1, 2, 8, 8)) * 0.3).astype(np.float32)
     chunked_states, recurrent_states = to_device(state0), to_device(state0)
     chunked = _chunked((q, k, v, g, beta), chunked_states, 0, start_row, [0, rows])

@@ -1,19 +1,35 @@
 """Helpers for the kernel cases: random inputs, bf16 round trips, unwritten-output checks.
 
-Imported only by the `cases_*.py` files, which run under the CUDA simulator in a
-subprocess (test_kernels_simulated.py) or directly on a GPU.
+Imported by the `cases_*.py` files, which run under the CUDA simulator in a subprocess
+(test_kernels_simulated.py) or directly on a GPU, and by the GPU and emulator tests of the
+tensor-core delta rule; nothing here imports numba.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from executor.reference import ops
 from executor.safetensors_file import bf16_to_f32, f32_to_bf16
 
 
 def rng() -> np.random.Generator:
     """Fresh random inputs on every run (the seed is printed on failure by the caller)."""
     return np.random.default_rng()
+
+
+def delta_inputs(r: np.random.Generator, rows, key_heads, value_heads, key_dim, value_dim):
+    """Random inputs of a prefill delta rule as the twin ops.gated_delta_rule_chunked takes them:
+    q, k (L2-normalised, unscaled) f32 [rows, key_heads, key_dim], v f32 [rows, value_heads,
+    value_dim], g and beta f32 [rows, value_heads] (ops.delta_gates of random a, b, a_log, dt_bias)."""
+    q = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    k = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
+    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
+    a_log = np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32)
+    dt_bias = r.normal(0, 0.5, value_heads).astype(np.float32)
+    g, beta = ops.delta_gates(a, b, a_log, dt_bias)
+    return q, k, v, g.astype(np.float32), beta.astype(np.float32)
 
 
 def bf16(x: np.ndarray) -> np.ndarray:

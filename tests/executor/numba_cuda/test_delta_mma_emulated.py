@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from executor.reference import ops
+from tests.executor.numba_cuda.kernel_support import delta_inputs
 
 HERE = Path(__file__).parent / "emulator"
 SOURCE = Path(__file__).parents[3] / "executor" / "numba_cuda" / "delta_mma.cu"
@@ -78,16 +79,12 @@ def host(tmp_path_factory):
 
 
 def _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim):
+    """delta_inputs of the seed, then the three slots' states and `mixed` (v at column V0)."""
     r = np.random.default_rng(seed)
-    q = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
-    k = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
-    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
-    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
-    g, beta = ops.delta_gates(a, b, np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32),
-                              r.normal(0, 0.5, value_heads).astype(np.float32))
+    q, k, v, g, beta = delta_inputs(r, rows, key_heads, value_heads, key_dim, value_dim)
     state = (r.normal(size=(3, value_heads, key_dim, value_dim)) * 0.3).astype(np.float32)
     mixed = np.concatenate([r.normal(size=(rows, V0)), v.reshape(rows, -1)], axis=1).astype(np.float32)
-    return q, k, v, g.astype(np.float32), beta.astype(np.float32), state, mixed
+    return q, k, v, g, beta, state, mixed
 
 
 def _launch(exe, tmp, case, *, bv, warps, split, per_block=1, cuts=None, anchor=True, env=None):

@@ -24,8 +24,7 @@ if not is_gpu_available():
 from executor.numba_cuda import delta_chunked, delta_mma  # noqa: E402
 from executor.numba_cuda.device import poisoned, to_device  # noqa: E402
 from executor.reference import ops  # noqa: E402
-from tests.executor.numba_cuda.cases_delta_chunked import _inputs  # noqa: E402
-from tests.executor.numba_cuda.kernel_support import host, rng  # noqa: E402
+from tests.executor.numba_cuda.kernel_support import delta_inputs, host, rng  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
 V0 = 4  # v starts at this column of `mixed` (16-byte rows: a multiple of 4)
@@ -60,7 +59,7 @@ def _mma(inputs, states, slot, start_row, cuts, **kwargs):
 )
 def test_delta_mma_matches_twin(split, start_row, rows, key_heads, value_heads, key_dim, value_dim):
     r = rng()
-    inputs = _inputs(r, rows, key_heads, value_heads, key_dim, value_dim)
+    inputs = delta_inputs(r, rows, key_heads, value_heads, key_dim, value_dim)
     state0 = (r.normal(size=(3, value_heads, key_dim, value_dim)) * 0.3).astype(np.float32)
     states = to_device(state0)
     out = _mma(inputs, states, 1, start_row, [0, rows], split=split)
@@ -73,7 +72,7 @@ def test_delta_mma_matches_twin(split, start_row, rows, key_heads, value_heads, 
 
 def test_delta_mma_agrees_with_the_cuda_core_path():
     r = rng()
-    inputs = _inputs(r, 130, 2, 4, 128, 128)
+    inputs = delta_inputs(r, 130, 2, 4, 128, 128)
     state0 = (r.normal(size=(1, 4, 128, 128)) * 0.3).astype(np.float32)
     ours_states, cores_states = to_device(state0), to_device(state0)
     ours = _mma(inputs, ours_states, 0, 40, [0, 130])
@@ -97,7 +96,7 @@ def test_delta_mma_is_bit_identical_on_the_64_row_grid(start_row, rows, chunking
     """One chunk against chunkings cut at absolute multiples of 64 (after an off-grid start,
     the first piece is the partial sub-chunk): same output and state bits."""
     r = rng()
-    inputs = _inputs(r, rows, 2, 6, 128, 128)
+    inputs = delta_inputs(r, rows, 2, 6, 128, 128)
     state0 = (r.normal(size=(1, 6, 128, 128)) * 0.3).astype(np.float32)
     states = to_device(state0)
     whole = _mma(inputs, states, 0, start_row, [0, rows])
@@ -113,7 +112,7 @@ def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
     from row 100 in one piece no longer matches the same rows cut at row 128."""
     monkeypatch.setattr(delta_mma, "_subchunk_offset", lambda start_row: 0)
     r = rng()
-    inputs = _inputs(r, 156, 1, 2, 128, 128)
+    inputs = delta_inputs(r, 156, 1, 2, 128, 128)
     state0 = (r.normal(size=(1, 2, 128, 128)) * 0.3).astype(np.float32)
     whole_states, piece_states = to_device(state0), to_device(state0)
     whole = _mma(inputs, whole_states, 0, 100, [0, 156])
@@ -127,7 +126,7 @@ def test_cta_shapes_change_no_bit(per_block, walk):
     """Value heads per phase-1 CTA (1 or the key head's group of 3) and the phase-2 split (32
     state columns on 4 or 8 warps, 64 on 8) give the same output and state bits as the defaults."""
     r = rng()
-    inputs = _inputs(r, 150, 2, 6, 128, 128)
+    inputs = delta_inputs(r, 150, 2, 6, 128, 128)
     state0 = (r.normal(size=(1, 6, 128, 128)) * 0.3).astype(np.float32)
     states = to_device(state0)
     want = _mma(inputs, states, 0, 37, [0, 150])
@@ -143,7 +142,7 @@ def test_long_chunk_matches_twin_and_its_grid_pieces():
     row 0: the twin within tolerance, and cut at 2048 and 4096 the same bits."""
     r = rng()
     rows = 4100
-    inputs = _inputs(r, rows, 16, 32, 128, 128)
+    inputs = delta_inputs(r, rows, 16, 32, 128, 128)
     state0 = np.zeros((1, 32, 128, 128), np.float32)
     states = to_device(state0)
     whole = _mma(inputs, states, 0, 0, [0, rows])
