@@ -58,6 +58,7 @@ from bench.fidelity_report import (
     read_trace,
     report_json,
     report_lines,
+    step_split_lines,
     trace_facts,
 )
 from executor.api_schema import parse_chat
@@ -189,6 +190,9 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
         gaps.sort()
         lines.append(f"client + HTTP overhead per closed-loop turn (server gap - planned think): median "
                      f"{gaps[len(gaps) // 2] * 1e3:.1f} ms, max {gaps[-1] * 1e3:.1f} ms")
+    steps_path = out / "server_trace.jsonl.steps.jsonl"
+    if steps_path.is_file():
+        lines += step_split_lines(read_trace(steps_path), profile)
     failed = [r for r in records if r.get("status") != 200]
     missing = [r for r in comparison.rows if r.server is None or r.sim is None]
     code = 0 if comparison.all_cached_equal and not failed and not missing else 1
@@ -216,7 +220,7 @@ def _gaps(records: list[dict[str, Any]], events: list[dict[str, Any]]):
 def run_server(out: Path, plan: Plan, server_args: list[str], thinking: bool, timeout_s: float, log,
                drain_s: float = 2.0) -> None:
     """Start the server, run the plan, wait drain_s for the last warm passes, stop it; writes
-    plan.json, run.json, records.jsonl and server_trace.jsonl (+ .meta.json) into `out`."""
+    plan.json, run.json, records.jsonl and server_trace.jsonl (+ .meta.json, .steps.jsonl) into `out`."""
     (out / "plan.json").write_text(json.dumps(plan_to_json(plan)) + "\n")
     t0 = time.monotonic()
     server = Server(out, [*server_args, "--trace", str(out / "server_trace.jsonl")], timeout_s)

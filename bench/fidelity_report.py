@@ -345,3 +345,38 @@ def report_json(c: Comparison) -> dict[str, Any]:
             "kind_counts": c.kind_counts, "evictions": [c.server.evictions, c.sim.evictions],
             "rows": [{"request": key_text(r.key), "server": side(r.server), "sim": side(r.sim),
                       "first_diff": r.first_diff} for r in c.rows]}
+
+
+def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
+    """Where the server's step time went against what the profile charges for the same steps:
+    for the `step` records of the server's step file (executor.runtime writes them beside
+    the trace) of two kinds, prefill-only
+    steps (a chunk, no decode lanes) and decode-only steps (by lanes), the median of the
+    step's seconds in the worker and of each phase, beside the median of the profile's
+    seconds for the same steps (prefill: prefill_s(rows, start) + host_s; decode: the round
+    at context 0 + host_s; the restore and keep a chunk makes show in the server's phases,
+    the simulator adds them by bytes). Empty when there are no step records."""
+    steps = [e for e in events if e.get("kind") == "step"]
+    if not steps:
+        return []
+    lines = ["server steps against the profile (median ms; phases are the worker's host seconds):"]
+    chunk = [e for e in steps if e["prefill_rows"] and not e["decode"]]
+    if chunk:
+        model = [profile.prefill_s(e["prefill_rows"], e["prefill_start"]) + profile.host_s(e["restores"], True)
+                 for e in chunk]
+        phases = sorted({p for e in chunk for p in e["phases"]})
+        lines.append(f"  prefill-only steps ({len(chunk)}): server {median(e['ran_s'] for e in chunk) * 1e3:.2f}, "
+                     f"profile {median(model) * 1e3:.2f} (chunk + host); server / profile per step "
+                     f"{median(e['ran_s'] / m for e, m in zip(chunk, model)):.2f}x; phases "
+                     + ", ".join(f"{p} {median(e['phases'].get(p, 0.0) for e in chunk) * 1e3:.2f}" for p in phases))
+    by_lanes: dict[int, list[dict[str, Any]]] = {}
+    for e in steps:
+        if e["decode"] and not e["prefill_rows"] and not e["restores"]:
+            by_lanes.setdefault(e["decode"], []).append(e)
+    for lanes, group in sorted(by_lanes.items()):
+        model = profile.decode_round_s(lanes, [0] * lanes) + profile.host_s(lanes, False)
+        lines.append(f"  decode-only steps, {lanes} lanes ({len(group)}): server "
+                     f"{median(e['ran_s'] for e in group) * 1e3:.2f}, profile at context 0 {model * 1e3:.2f}; "
+                     f"phases " + ", ".join(f"{p} {median(e['phases'].get(p, 0.0) for e in group) * 1e3:.2f}"
+                                            for p in sorted({p for e in group for p in e['phases']})))
+    return lines

@@ -7,7 +7,11 @@ calls the server's stepper makes (executor/stepper.py): a prefill chunk with its
 (policy.tail) and the last row's logits brought to the host, then its first token picked and
 detokenized; a decode round with every lane's logits on the host and each lane's token picked
 and detokenized (executor.stops.TextStream with the real Qwen3.5 vocabulary, as the stepper);
-payloads.snapshot / restore. The device is synchronised before and after each timed call. A
+payloads.snapshot / restore of a state with its last row's logits (as a kept row holds
+them), each keep into fresh device memory (`Rig.uncache` first gives the pool's cached
+blocks back, outside the timing): a server's keeps allocate while its prompt cache grows
+(2B, 19 MiB: 0.82 ms a keep in the server against 0.14 ms into a cached block, RESULTS.md
+session 10). The device is synchronised before and after each timed call. A
 state at a context comes from a real prefill on the reference backend, and on the GPU from
 random K/V rows and recurrent states (bench/decode_prefill.py's `_fresh_states`: attention and
 the delta rule cost the same whatever the values). After the warm-up the collector's objects
@@ -121,7 +125,9 @@ class Rig:
     device. decode(states, token_ids): one round as the server runs it (logits on the host).
     clock: seconds (time.perf_counter; tests pass a fake). label: backend name; device: the
     GPU (or CPU) name; model: what it runs, e.g. "Qwen/Qwen3.5-27B"; decode_mode: eager or graphs.
-    close(): release what the rig holds besides the backend (captured graphs).
+    close(): release what the rig holds besides the backend (captured graphs). uncache():
+    give back device memory the backend keeps cached for reuse, so the next allocation is a
+    fresh one (the GPU's device pool; nothing on the CPU).
     """
 
     backend: Backend
@@ -134,6 +140,7 @@ class Rig:
     decode_mode: str = "eager"
     clock: Callable[[], float] = time.perf_counter
     close: Callable[[], None] = lambda: None
+    uncache: Callable[[], None] = lambda: None
 
 
 @attrs.frozen(kw_only=True)
@@ -267,8 +274,16 @@ def _keep_and_restore(rig: Rig, grid: ProfileGrid, ctx: int) -> tuple[float, flo
     """(keep seconds, restore seconds, payload bytes) of a state holding `ctx` rows."""
     backend = rig.backend
     state = rig.states_at(ctx, 1)[0]
+    logits = np.zeros(backend.config.vocab_size, np.float32)  # a kept row's logits (their values cost nothing)
+    if hasattr(state, "logits"):
+        state.logits = logits
     kept: list[payloads.Payload] = []
-    keep = _repeat(rig, grid, lambda: state, lambda s: kept.append(payloads.snapshot(backend, s, None)),
+
+    def fresh_memory():
+        rig.uncache()
+        return state
+
+    keep = _repeat(rig, grid, fresh_memory, lambda s: kept.append(payloads.snapshot(backend, s, logits)),
                    lambda _: None)
     restore = _repeat(rig, grid, lambda: kept[0], lambda p: payloads.restore(backend, p),
                       lambda s: payloads.release(backend, s))
@@ -305,6 +320,9 @@ def to_profile(m: Measured, rig: Rig, name: str, command: str) -> Profile:
     for path in ("prefill_delta", "prefill_attention"):  # the GPU backend's kernel paths (their bits and speed differ)
         if isinstance(getattr(type(rig.backend), path, None), property):
             provenance += ((path, str(getattr(rig.backend, path))),)
+    if isinstance(getattr(type(rig.backend), "prefill_graphs", None), property):
+        graphs = rig.backend.prefill_graphs
+        provenance += (("prefill_graphs", "off" if graphs is None else ",".join(map(str, graphs.buckets))),)
     return Profile(name=name, source="measured", gpu=rig.device, model=rig.model, shape=rig.backend.config.shape,
                    invariant_rows=getattr(rig.backend, "invariant_rows", None), cost=cost, notes=notes,
                    provenance=provenance)
@@ -350,9 +368,10 @@ def reference_rig(model_dir: Path) -> Rig:
                device=f"CPU {platform.machine()}", model=model_dir.name)
 
 
-def cuda_rig(preset_name: str, grid: ProfileGrid, graphs: bool) -> Rig:
+def cuda_rig(preset_name: str, grid: ProfileGrid, graphs: bool, prefill_graphs: bool = True) -> Rig:
     """The numba-cuda backend on seeded random weights at a preset's shape (made on the GPU);
-    states at a context hold random K/V rows and recurrent states."""
+    states at a context hold random K/V rows and recurrent states. graphs: decode rounds
+    replay CUDA graphs; prefill_graphs: short chunks too (as the server does by default)."""
     from bench.decode_prefill import _fresh_states
     from executor.numba_cuda import device_weights
     from executor.numba_cuda.backend import NumbaCudaBackend
@@ -369,11 +388,21 @@ def cuda_rig(preset_name: str, grid: ProfileGrid, graphs: bool) -> Rig:
     captured = DecodeGraphs(backend) if graphs else None
     if captured is not None:
         captured.prepare(sorted(set(grid.lanes)))  # as the server does before it is ready
+    if prefill_graphs:
+        backend.enable_prefill_graphs()
     key = preset_name.rsplit("/", 1)[-1].lower()
     return Rig(backend=backend, states_at=lambda ctx, n: _fresh_states(backend, n, ctx, grid.seed), sync=synchronize,
                decode=captured.decode if captured else backend.decode, label="numba_cuda", device=device_name(),
                model=f"Qwen/Qwen3.5-{key.split('-', 1)[1].upper()}", decode_mode="graphs" if graphs else "eager",
-               close=captured.close if captured else lambda: None)
+               close=captured.close if captured else lambda: None, uncache=_uncache)
+
+
+def _uncache() -> None:
+    """Free the device pool's cached blocks (executor.numba_cuda.device.POOL), if it is on."""
+    from executor.numba_cuda.device import POOL
+
+    if POOL is not None:
+        POOL.release()
 
 
 def gpu_slug(device: str) -> str:
@@ -406,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also time the serving loop's host seconds per step into cost.host (default: %(default)s)")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="decode through CUDA graphs, as the server does unless --no-decode-graphs (default: %(default)s)")
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="short prefill chunks through CUDA graphs, as the server does unless --no-prefill-graphs "
+                         "(default: %(default)s)")
     ap.add_argument("--name", help="profile name (one model only; default: PRESET-GPU, e.g. qwen3.5-27b-h200)")
     ap.add_argument("--out", type=Path, default=PROFILE_DIR, help="folder for NAME.json (default: sim/profiles)")
     args = ap.parse_args(argv)
@@ -437,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets: list[tuple[str, Callable[[], Rig]]] = [
             (str(args.model or "tiny"), lambda: reference_rig(args.model or tiny_model_dir()))]
     else:
-        targets = [(p, lambda p=p: cuda_rig(p, grid, args.graphs)) for p in presets.split(",")]
+        targets = [(p, lambda p=p: cuda_rig(p, grid, args.graphs, args.prefill_graphs)) for p in presets.split(",")]
     if args.name and len(targets) > 1:
         print("error: --name needs a single model", file=sys.stderr)
         return 2

@@ -110,7 +110,10 @@ class Runtime:
 
     tokenizer: decodes replies. facts: the backend's proven numerics (default: its
     `invariant_rows`). trace: an open text file for the JSONL trace (one
-    `policy.events.event_dict` per line, as the simulator writes), or None. clock: seconds,
+    `policy.events.event_dict` per line, as the simulator writes), or None. steps: an open
+    text file for one JSON line per step (its seconds in the worker and per phase: where the
+    server's time goes beside the simulator's cost model; bench/fidelity.py reads it), or None.
+    clock: seconds,
     monotonic; trace times are seconds since the runtime was built.
     """
 
@@ -123,12 +126,13 @@ class Runtime:
         facts: BackendFacts | None = None,
         metrics: Metrics | None = None,
         trace: IO[str] | None = None,
+        steps: IO[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.metrics = metrics or Metrics()
         self.facts = facts or BackendFacts(getattr(backend, "invariant_rows", None))
-        self._trace, self._clock = trace, clock
+        self._trace, self._steps, self._clock = trace, steps, clock
         self._origin = clock()
         self._stepper = Stepper(backend)
         self.scheduler = Scheduler(cfg, self.facts, payloads.model_shape(backend.config), emit=self._emit,
@@ -274,8 +278,9 @@ class Runtime:
                     await self._idle()
                     continue
                 plan = self._plan(step)
+                t0 = self._clock()
                 outcome = await loop.run_in_executor(self._pool, self._stepper.run, plan)
-                self._commit(plan, outcome)
+                self._commit(plan, outcome, self._clock() - t0)
             except Exception as exc:  # a bug here must not leave clients hanging
                 log.exception("runtime_failed")
                 self.broken = repr(exc)
@@ -313,10 +318,12 @@ class Runtime:
         releases, self._releases = tuple(self._releases), []
         return Plan(step, ids, state, live, restores, decodes, releases)
 
-    def _commit(self, plan: Plan, out: Outcome) -> None:
+    def _commit(self, plan: Plan, out: Outcome, ran_s: float | None = None) -> None:
         step = plan.step
         for phase, seconds in out.phases.items():
             self.metrics.step_phase.labels(phase).inc(seconds)
+        if self._steps is not None and ran_s is not None:
+            self._trace_step(plan, out, ran_s)
         self._states.update(out.states)
         failed: list[Live] = []
         if out.error is not None:
@@ -336,6 +343,22 @@ class Runtime:
         self._apply(effects, out.snapshot)
         if self.after_commit is not None:
             self.after_commit()
+
+    def _trace_step(self, plan: Plan, out: Outcome, ran_s: float) -> None:
+        """One line in the step file (`steps`; JSON with kind "step", on the trace's clock):
+        seconds the step took in the worker (ran_s,
+        from the hand-off to the worker until the loop got the outcome back) and the worker's
+        host seconds per phase (`Outcome.phases`: restore, forward, keep, decode, sample,
+        release; a GPU backend's forward includes its device time only where it waits for
+        it), with what the step ran: prefill rows and start, restored lanes, decode lanes.
+        bench/fidelity_report.py splits server against simulator time with them."""
+        run = plan.step.prefill
+        record = {"kind": "step", "t": round(self.now(), 6), "ran_s": round(ran_s, 6),
+                  "phases": {k: round(v, 6) for k, v in out.phases.items()},
+                  "prefill_rows": 0 if run is None else run.chunk.rows,
+                  "prefill_start": None if run is None else run.chunk.start,
+                  "restores": len(plan.restores), "decode": len(plan.decodes)}
+        self._steps.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def _attach_continuation(self, live: Live) -> None:
         """Give the scheduler the reply's continuation before it finishes the request.

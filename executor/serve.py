@@ -69,7 +69,10 @@ class ServeConfig:
     capped at gpu_context_rows on the GPU, where every lane's state is allocated at full
     context). decode_graphs: on the GPU, replay each decode round as a CUDA graph (every
     lane count up to the policy's lanes captured before the server is ready; the same
-    bits as eager launches). trace: JSONL trace file, or None. engine_process: run the
+    bits as eager launches). prefill_graphs: on the GPU, replay prefill chunks of at most
+    256 rows as CUDA graphs padded to a bucket of 16, 32, 64, 128 or 256 rows (captured
+    before the server is ready; the same bits as eager launches; needs the tensor-core
+    delta rule and the fused attention, else eager). trace: JSONL trace file, or None. engine_process: run the
     scheduler and the backend in a process of their own (`executor.engine`), so HTTP work
     does not slow the steps down; False keeps them in this process (one GIL for both).
 
@@ -86,6 +89,7 @@ class ServeConfig:
                                                                            attrs.validators.le(65535)))
     context_rows: int | None = None
     decode_graphs: bool = True
+    prefill_graphs: bool = True
     gpu_context_rows: int = 32768
     trace: Path | None = None
     engine_process: bool = True
@@ -141,10 +145,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="most rows (prompt + output) per request (default: the model's max_position_embeddings)")
     ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=d.decode_graphs,
                     help="GPU: replay decode rounds as CUDA graphs (default: %(default)s)")
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=d.prefill_graphs,
+                    help="GPU: replay prefill chunks of up to 256 rows as CUDA graphs, padded to 16, 32, 64, 128 "
+                         "or 256 rows (default: %(default)s)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                     help="run the scheduler and the backend in their own process, apart from HTTP "
                          "(default: %(default)s)")
-    ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL")
+    ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL (and each step's "
+                    "seconds and phases to FILE.steps.jsonl)")
     ap.add_argument("--policy", type=Path, metavar="FILE.toml", help="PolicyConfig fields (flags override them)")
     return ap.parse_args(argv)
 
@@ -168,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         policy = policy.with_changes(**changes)
     return ServeConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, backend=args.backend,
                        host=args.host, port=args.port, context_rows=args.context, decode_graphs=args.decode_graphs,
-                       trace=args.trace, engine_process=args.engine_process, policy=policy)
+                       prefill_graphs=args.prefill_graphs, trace=args.trace, engine_process=args.engine_process, policy=policy)
 
 
 def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qwen35Config) -> tuple[Backend, str, int]:
@@ -197,6 +205,8 @@ def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qw
                 backend = NumbaCudaBackend.from_dir(model_dir, slots=slots, capacity_rows=rows)
             if cfg.decode_graphs:
                 backend.enable_decode_graphs(cfg.policy.lanes)
+            if cfg.prefill_graphs:
+                backend.enable_prefill_graphs()
             return backend, "cuda", rows
         except Exception as exc:  # ImportError, no GPU, a checkpoint the GPU backend cannot serve
             if model_dir is None:
@@ -288,7 +298,22 @@ def _tokenizer(model: _Model):
     return (model.model_dir and load_tokenizer(model.model_dir)) or default_tokenizer()
 
 
-async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None) -> tuple[Runtime, ChatRenderer, str, int]:
+def _open_traces(cfg: ServeConfig) -> tuple[IO[str], IO[str]] | tuple[None, None]:
+    """The trace file and the step file beside it (`Runtime`'s `trace` and `steps`), or Nones."""
+    if not cfg.trace:
+        return None, None
+    steps = cfg.trace.with_name(cfg.trace.name + ".steps.jsonl")
+    return cfg.trace.open("w", encoding="utf-8", buffering=1), steps.open("w", encoding="utf-8", buffering=1)
+
+
+def _close_traces(*files: IO[str] | None) -> None:
+    for f in files:
+        if f is not None:
+            f.close()
+
+
+async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None,
+                 steps: IO[str] | None = None) -> tuple[Runtime, ChatRenderer, str, int]:
     """Tokenizer, backend (warmed up), runtime: (runtime, renderer, backend name, context rows)."""
     tokenizer, (backend, backend_name, context_rows) = await asyncio.gather(
         asyncio.to_thread(_tokenizer, model),
@@ -297,7 +322,7 @@ async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None) -> tupl
     await asyncio.to_thread(warm_up, backend)
     gc.collect()
     gc.freeze()  # start-up objects (weights, kernels, tokenizer) leave the collector's scans
-    return Runtime(backend, tokenizer, cfg.policy, trace=trace), ChatRenderer(tokenizer, model.template), \
+    return Runtime(backend, tokenizer, cfg.policy, trace=trace, steps=steps), ChatRenderer(tokenizer, model.template), \
         backend_name, context_rows
 
 
@@ -313,16 +338,15 @@ def run_engine(conn: Any, cfg: ServeConfig) -> None:
 
 
 async def _engine(conn: Any, cfg: ServeConfig) -> None:
-    trace = None
+    trace = steps = None
     try:
         model = _model(cfg)
-        trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
-        runtime, renderer, backend_name, context_rows = await _build(cfg, model, trace)
+        trace, steps = _open_traces(cfg)
+        runtime, renderer, backend_name, context_rows = await _build(cfg, model, trace, steps)
     except BaseException as exc:
         kind = "value" if isinstance(exc, ValueError) else "runtime"
         conn.send(("failed", kind, str(exc) or repr(exc)))
-        if trace is not None:
-            trace.close()
+        _close_traces(trace, steps)
         if not isinstance(exc, Exception):
             raise
         return
@@ -331,8 +355,7 @@ async def _engine(conn: Any, cfg: ServeConfig) -> None:
     try:
         await serve_engine(conn, runtime, renderer, info)
     finally:
-        if trace is not None:
-            trace.close()
+        _close_traces(trace, steps)
 
 
 async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
@@ -387,7 +410,7 @@ async def _close(runtime: Runtime | EngineClient, force: asyncio.Event) -> None:
 
 async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asyncio.Event) -> None:
     model = _model(cfg)
-    trace = None
+    trace = steps = None
     runtime: Runtime | EngineClient
     if cfg.engine_process:
         tokenizer, engine = await asyncio.gather(asyncio.to_thread(_tokenizer, model), _start_engine(cfg, stop))
@@ -400,8 +423,8 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asy
         gc.collect()
         gc.freeze()
     else:
-        trace = cfg.trace.open("w", encoding="utf-8", buffering=1) if cfg.trace else None
-        runtime, renderer, backend_name, context_rows = await _build(cfg, model, trace)
+        trace, steps = _open_traces(cfg)
+        runtime, renderer, backend_name, context_rows = await _build(cfg, model, trace, steps)
         tokenizer = renderer.tokenizer
     config = model.config
     stop_ids = set(config.eos_token_ids) | {t for name in STOP_TOKENS if (t := tokenizer.token_to_id(name)) is not None}
@@ -433,8 +456,7 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asy
             await site.stop()
         await _close(runtime, force)
         await runner.cleanup()
-        if trace is not None:
-            trace.close()
+        _close_traces(trace, steps)
     log.info("stopped")
 
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numba
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import IS_SIMULATOR, check, device_pointer, empty
+from executor.numba_cuda.device import IS_SIMULATOR, check, chunk_meta, device_pointer, empty
 from executor.numba_cuda.launch import fast
 
 SOURCE = Path(__file__).with_name("flash_attention.cu")
@@ -68,14 +69,23 @@ def kernel(head_dim: int, warps: int | None = None):
     # lto: without nvJitLink the device function would be called through the ABI, not
     # inlined (ptxas: ~600 bytes of spills at head_dim 256), so numba raises here instead
     # and the backend passes over this path (`NumbaCudaBackend.attention_failures`)
+    # meta (i32 device: rows in use, start, slot) is read here, so a captured step replays
+    # with other values (graphs.PrefillGraphs); a CTA whose tile (the source's
+    # gridDim.x - 1 - blockIdx.x) starts past the rows in use returns at once (a padded grid)
     @cuda.jit(link=[str(SOURCE)], launch_bounds=(warps * 32, 8 // warps), lto=True)
-    def flash_kernel(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale):
-        device_fn(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale)
+    def flash_kernel(q, qg, kc, vc, slot_bytes, out, meta, q_heads, kv_heads, scale):
+        rows = numba.int64(meta[0])
+        tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        if tile * (warps * 16) >= rows * (q_heads // kv_heads):
+            return
+        slot = numba.int64(meta[2]) * slot_bytes
+        device_fn(q, qg, kc + slot, vc + slot, out, rows, numba.int64(meta[1]), q_heads, kv_heads, scale)
 
     return fast(flash_kernel), warps * 32
 
 
-def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None):
+def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None,
+            meta=None):
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
@@ -90,6 +100,10 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     Returns out. Raises ValueError naming the argument on a wrong shape, dtype, layout or
     alignment, a negative start, rows past the capacity, or a (head_dim, warps) not in
     VARIANTS; RuntimeError where the kernel cannot run (`unavailable`).
+    meta: None or i32 device [>= 3] = (rows in use, start, slot), read by the kernel on the
+    device (a captured step replays with other values: graphs.PrefillGraphs; rows past
+    meta[0] are neither read nor written, and start and slot are checked here only as
+    given); None uploads (rows, start, slot). No bit depends on it.
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -129,10 +143,10 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
         return out
     tiles = -(-rows * group // (threads // 32 * 16))
     slot_bytes = capacity * kv_heads * head_dim * 2
+    meta = chunk_meta(meta, rows, start, slot, stream)
     launch[(tiles, kv_heads), threads, stream](
-        device_pointer(q), device_pointer(qg), device_pointer(kcache) + slot * slot_bytes,
-        device_pointer(vcache) + slot * slot_bytes, device_pointer(out), rows, start, q_heads, kv_heads,
-        np.float32(1.0 / np.sqrt(head_dim)),
+        device_pointer(q), device_pointer(qg), device_pointer(kcache), device_pointer(vcache), slot_bytes,
+        device_pointer(out), meta, q_heads, kv_heads, np.float32(1.0 / np.sqrt(head_dim)),
     )
     return out
 

@@ -102,6 +102,8 @@ def _kv_kernel(kv, weight, freqs, positions, slots, eps, kcache, vcache):
     kv_heads = kcache.shape[2]
     head_dim = kcache.shape[3]
     slot = slots[row]
+    if slot < 0:  # a padding row of a captured prefill (graphs.PrefillGraphs): no cache row
+        return
     pos = positions[row]
     t = cuda.threadIdx.x
     if cuda.blockIdx.z == 1:
@@ -118,7 +120,7 @@ def _kv_kernel(kv, weight, freqs, positions, slots, eps, kcache, vcache):
 
 def kv_norm_rope_store(kv, weight, freqs, positions, slots, eps: float, kcache, vcache, stream=0):
     """Write bf16 rope(rms_norm(k)) and bf16 v of each row into the cache at
-    [slots[r], positions[r]].
+    [slots[r], positions[r]]; a row whose slot is negative (padding) writes nothing.
 
     kv: f32 device [rows, 2 * kv_heads * head_dim] (k_proj | v_proj output); weight: f32
     [head_dim] (k_norm); freqs: f64 [rotary_dim / 2]; positions, slots: i32 [rows];

@@ -12,11 +12,12 @@ the LM head on the row-invariant GEMV at every lane count, the decode delta rule
 one-row recurrence. Every other kernel computes a row independently of the chunk or lane
 set, so prefill rows are chunk-invariant on the 64-row grid (`facts`). Wiring mirrors executor/reference/backend.py; the kernels live
 in their own modules here, the device weights in device_weights.py, CUDA graphs of the
-decode step in graphs.py.
+decode step and of short prefill chunks (padded to a bucket) in graphs.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Sequence
@@ -110,6 +111,56 @@ class NumbaCudaBackend:
         if forced:
             self.set_prefill_delta(forced)
         self._graphs = None
+        self._prefill_graphs = None
+        self.prefill_graphs_off: str | None = None
+        """Why `enable_prefill_graphs` left prefill eager (None when it did not, or was not asked)."""
+
+    def enable_prefill_graphs(self, buckets: Sequence[int] | None = None) -> bool:
+        """Make `prefill` replay CUDA graphs for chunks of at most max(buckets) rows
+        (graphs.PrefillGraphs: the chunk padded to its bucket, the same bits as the eager
+        chunk, tested); every bucket is captured now; buckets (default graphs.BUCKETS) past
+        the pool's capacity are left out. Needs the tensor-core delta rule and the fused
+        attention (their kernels read rows, start and slot on the device); returns False,
+        leaving prefill eager with the reason in `prefill_graphs_off`, on a backend that runs
+        another path, when no bucket fits, or when a capture fails."""
+        from executor.numba_cuda.graphs import BUCKETS, PrefillGraphs
+
+        if self._delta_path() != "mma" or self._prefill_path() != "flash":
+            self.prefill_graphs_off = f"prefill paths delta {self._delta_path()}, attention {self._prefill_path()}"
+            log.info("prefill_graphs_off", reason=self.prefill_graphs_off)
+            return False
+        buckets = [b for b in (BUCKETS if buckets is None else buckets) if b <= self.pool.capacity_rows]
+        if not buckets:
+            self.prefill_graphs_off = f"no bucket fits the capacity of {self.pool.capacity_rows} rows"
+            log.info("prefill_graphs_off", reason=self.prefill_graphs_off)
+            return False
+        graphs = self._prefill_graphs or PrefillGraphs(self, buckets)
+        try:
+            graphs.prepare()
+        except Exception as exc:  # noqa: BLE001 - eager chunks give the same bits: serve without graphs
+            graphs.close()
+            self._prefill_graphs = None
+            self.prefill_graphs_off = f"capture failed: {exc!r}"
+            log.warning("prefill_graphs_off", reason=self.prefill_graphs_off)
+            return False
+        self._prefill_graphs = graphs
+        self.prefill_graphs_off = None
+        return True
+
+    @property
+    def prefill_graphs(self):
+        """The `graphs.PrefillGraphs` that `prefill` replays short chunks through (None: eager)."""
+        return self._prefill_graphs
+
+    @contextlib.contextmanager
+    def eager_prefill(self):
+        """Within this block `prefill` launches every chunk eagerly (the A side of an A/B:
+        tests compare bits, bench/prefill_overhead.py compares wall time)."""
+        saved, self._prefill_graphs = self._prefill_graphs, None
+        try:
+            yield
+        finally:
+            self._prefill_graphs = saved
 
     def enable_decode_graphs(self, lanes: int = 0) -> None:
         """Make `decode` replay CUDA graphs of the step (graphs.DecodeGraphs: the same bits as
@@ -263,7 +314,7 @@ class NumbaCudaBackend:
 
     # layers ---------------------------------------------------------------------------
 
-    def _linear_attention(self, i: int, li: int, h, mm, row_start, slots, at, stream):
+    def _linear_attention(self, i: int, li: int, h, mm, row_start, slots, at, stream, meta=None, padded=False):
         c, w = self.config, self.w.layers[i]
         ch, vd, vh = c.conv_channels, c.linear_value_dim, c.linear_num_value_heads
         proj = mm(h, w["in_proj"], stream=stream)  # [rows, ch + vd + 2 vh]: qkv | z | b | a
@@ -278,14 +329,15 @@ class NumbaCudaBackend:
                                               self.pool.recurrent[li], stream=stream)
         elif self._delta_path() == "mma":  # prefill: the chunked form on the tensor cores
             out = delta_mma.delta_mma(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
-                                      self.pool.recurrent[li], stream=stream)
+                                      self.pool.recurrent[li], stream=stream, meta=meta, padded=padded)
         else:  # prefill: the chunked form, sub-chunks anchored at absolute multiples of 64
             out = delta_chunked.delta_chunked(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
                                            self.pool.recurrent[li], stream=stream)
         gated = norms.gated_rms_norm(out, columns(proj, ch, ch + vd), w["norm"], c.rms_norm_eps, stream=stream)
         return mm(gated, w["out_proj"], stream=stream)
 
-    def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, at, stream):
+    def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, at, stream,
+                        meta=None):
         """K/V for every row; q, attention and o_proj for rows [first, rows) (None if empty)."""
         c, w = self.config, self.w.layers[i]
         kv = mm(h, w["kv_proj"], stream=stream)
@@ -305,7 +357,9 @@ class NumbaCudaBackend:
             out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, 1, attention.DECODE_SPLIT_ROWS,
                                       stream=stream)
         elif self._prefill_path() == "flash":
-            out = attention_flash.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
+            if first and meta is not None:  # the tail's rows: meta describes the whole chunk
+                meta = None
+            out = attention_flash.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream, meta=meta)
         elif self._prefill_attention == "matrix":
             out = self.matrix_attention.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
         else:
@@ -314,7 +368,7 @@ class NumbaCudaBackend:
         return mm(out, w["o_proj"], stream=stream)
 
     def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, at, first_tail: int,
-                 want_logits: bool, stream=0):
+                 want_logits: bool, stream=0, meta=None, padded: bool = False):
         """Run the rows through every layer; returns device logits f32 [lanes or 1, vocab]
         or None.
 
@@ -322,7 +376,11 @@ class NumbaCudaBackend:
         i32 [lanes + 1]; max_pos: at least the largest position (sizes the decode
         attention's split grid; a larger value changes no bit); at: None for a decode
         round, else (slot, first absolute row) of a one-stream prefill chunk; first_tail: the last
-        layer's first tail row (relative). Every launch and buffer is on `stream`."""
+        layer's first tail row (relative). meta: None or i32 device [3] = (rows in use,
+        first absolute row, slot) of a prefill chunk, which its delta-rule and attention
+        kernels read on the device; padded: rows past meta[0] are padding (row slot -1, row_start
+        [0, meta[0]]: graphs.PrefillGraphs), the logits row is row meta[0] - 1, no tail. Every
+        launch and buffer is on `stream`."""
         c = self.config
         decode = at is None
         mm = gemv if decode else self.gemm.matmul
@@ -336,10 +394,10 @@ class NumbaCudaBackend:
             h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta, stream=stream, threads=norm_threads)
             first = first_tail if i == last else 0
             if kind == FULL:
-                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream)
+                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream, meta)
                 full += 1
             else:
-                y = self._linear_attention(i, lin, h, mm, row_start, lane_slots, at, stream)
+                y = self._linear_attention(i, lin, h, mm, row_start, lane_slots, at, stream, meta, padded)
                 lin += 1
             if y is None:
                 return None
@@ -350,7 +408,9 @@ class NumbaCudaBackend:
                        stream=stream)
         if not want_logits:
             return None
-        if not decode:
+        if padded:
+            x, delta = elementwise.last_row(x, delta, meta, stream=stream)
+        elif not decode:
             x, delta = x[x.shape[0] - 1 :], delta[delta.shape[0] - 1 :]
         h = norms.add_rms_norm(x, self.w.norm, c.rms_norm_eps, delta=delta, stream=stream, threads=norm_threads)
         return gemv(h, self.w.lm_head, stream=stream)
@@ -381,13 +441,20 @@ class NumbaCudaBackend:
         if tail_from > start and self.config.layer_types[-1] != FULL:
             raise ValueError("a tail needs a full-attention last layer")
         n = end - start
-        # one upload: ids | positions | row slots | lane slot | row_start (0, n)
-        inputs = _i32(np.concatenate([ids, np.arange(start, end), np.full(n, state.slot), [state.slot, 0, n]]))
-        logits = self._forward(
-            inputs[:n], inputs[n : 2 * n], inputs[2 * n : 3 * n], inputs[3 * n : 3 * n + 1], inputs[3 * n + 1 :],
-            end - 1, (state.slot, start), tail_from - start, want_logits,
-        )
-        logits = None if logits is None else logits.copy_to_host()
+        graphs = self._prefill_graphs
+        if graphs is not None and graphs.serves(start, end):  # the full last layer: the same bits (tail == full)
+            logits = graphs.prefill(state.slot, ids, start, end)[None]
+            logits = logits if want_logits else None
+        else:
+            # one upload: ids | positions | row slots | lane slot | row_start (0, n) | meta (n, start, slot)
+            inputs = _i32(np.concatenate([ids, np.arange(start, end), np.full(n, state.slot),
+                                          [state.slot, 0, n, n, start, state.slot]]))
+            logits = self._forward(
+                inputs[:n], inputs[n : 2 * n], inputs[2 * n : 3 * n], inputs[3 * n : 3 * n + 1],
+                inputs[3 * n + 1 : 3 * n + 3], end - 1, (state.slot, start), tail_from - start, want_logits,
+                meta=inputs[3 * n + 3 :],
+            )
+            logits = None if logits is None else logits.copy_to_host()
         state.rows = end
         state.logits = None if logits is None else logits[0]
         return None if logits is None else logits[0].copy()
@@ -402,7 +469,8 @@ class NumbaCudaBackend:
         if slot is None:
             slot = int(lane_slots.copy_to_host()[0])
         at = (slot, max_pos + 1 - ids.shape[0])
-        return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, at, 0, True, stream)
+        meta = to_device(np.asarray([ids.shape[0], at[1], slot], np.int32), stream)
+        return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, at, 0, True, stream, meta)
 
     def decode_inputs(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
         """Check a decode round's arguments; returns host i32 (token ids, positions, slots),

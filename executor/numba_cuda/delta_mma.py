@@ -30,11 +30,12 @@ import functools
 import os
 from pathlib import Path
 
+import numba
 import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.delta_chunked import SUBCHUNK_ROWS, _subchunk_offset, check_chunk_args
-from executor.numba_cuda.device import IS_SIMULATOR, check, device_pointer, empty
+from executor.numba_cuda.device import IS_SIMULATOR, check, chunk_meta, device_pointer, empty
 from executor.numba_cuda.launch import fast
 
 SOURCE = Path(__file__).with_name("delta_mma.cu")
@@ -151,10 +152,14 @@ def prepare_kernel(kd: int, vd: int, split: int):
     name = f"delta_prepare_{kd}_{vd}_{split}"
     fn = cuda.declare_device(name, "int32(" + ", ".join(["int64"] * 16) + ")")
 
-    @cuda.jit("void(" + ", ".join(["int64"] * 16) + ")",
+    @cuda.jit("void(" + ", ".join(["int64"] * 9 + ["int32[::1]"] + ["int64"] * 5) + ")",
               link=[_source(f"DELTA_PREPARE({kd}, {vd}, {split})", f"{name}.cu")], lto=True,
               launch_bounds=(PREPARE_THREADS, 2 if split == 1 else 1))
-    def delta_prepare(q, k, mixed, g, beta, w, u, m, dv, rows, off, key_heads, value_heads, channels, v0, per_block):
+    def delta_prepare(q, k, mixed, g, beta, w, u, m, dv, meta, key_heads, value_heads, channels, v0, per_block):
+        rows = numba.int64(meta[0])
+        off = numba.int64(meta[1]) % SUBCHUNK_ROWS
+        if cuda.blockIdx.x * SUBCHUNK_ROWS >= off + rows:  # past the chunk's last sub-chunk (a padded grid)
+            return
         fn(q, k, mixed, g, beta, w, u, m, dv, rows, off, key_heads, value_heads, channels, v0, per_block)
 
     nbytes = 4 * _prepare_floats(kd, vd)
@@ -169,10 +174,13 @@ def walk_kernel(kd: int, bv: int, warps: int, split: int):
     name = f"delta_walk_{kd}_{bv}_{warps}_{split}"
     fn = cuda.declare_device(name, "int32(" + ", ".join(["int64"] * 13) + ")")
 
-    @cuda.jit("void(" + ", ".join(["int64"] * 13) + ")",
+    @cuda.jit("void(" + ", ".join(["int64"] * 9 + ["int32[::1]"] + ["int64"] * 3) + ")",
               link=[_source(f"DELTA_WALK({kd}, {bv}, {warps}, {split})", f"{name}.cu")], lto=True,
               launch_bounds=(warps * 32, 1))
-    def delta_walk(q, k, w, u, m, dv, state, out, rows, off, key_heads, value_heads, value_dim):
+    def delta_walk(q, k, w, u, m, dv, states, slot_bytes, out, meta, key_heads, value_heads, value_dim):
+        rows = numba.int64(meta[0])
+        off = numba.int64(meta[1]) % SUBCHUNK_ROWS
+        state = states + numba.int64(meta[2]) * slot_bytes
         fn(q, k, w, u, m, dv, state, out, rows, off, key_heads, value_heads, value_dim)
 
     nbytes = 4 * _walk_floats(kd, bv)
@@ -181,7 +189,8 @@ def walk_kernel(kd: int, bv: int, warps: int, split: int):
 
 
 def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states, out=None, stream=0,
-              per_block: int | None = None, walk: tuple[int, int] | None = None, split: int | None = None):
+              per_block: int | None = None, walk: tuple[int, int] | None = None, split: int | None = None,
+              meta=None, padded: bool = False):
     """Run the gated delta rule over one stream's prefill chunk on the tensor cores, advancing
     its state in place; `delta_chunked.delta_chunked`'s arguments and result.
 
@@ -194,6 +203,11 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     aligned. Returns out. per_block (value heads a phase-1 CTA serves, a divisor of the
     group), walk ((BV, warps) of phase 2) and split (1 or 3) default to what the call is
     fastest with; per_block and walk change no bit, split does.
+    meta: None or i32 device [>= 3] = (rows in use, start_row, slot), which the kernels read
+    on the device (a captured step replays with other values: graphs.PrefillGraphs); None
+    uploads (rows, start_row, slot). padded: the launch serves any start row and any
+    meta[0] <= rows (phase 1's grid covers the most sub-chunks; the extra CTAs return at
+    once); rows past meta[0] are neither read nor written. Neither changes a bit.
     Raises ValueError naming the argument on a wrong dtype, shape, layout or alignment, a
     slot or start_row out of range; RuntimeError where the kernels cannot run (`unavailable`).
     """
@@ -231,7 +245,8 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     out = empty((rows, value_heads, value_dim), np.float32, stream) if out is None else out
     if not rows:
         return out
-    off = _subchunk_offset(start_row)
+    meta = chunk_meta(meta, rows, start_row, slot, stream)
+    off = SUBCHUNK_ROWS - 1 if padded else _subchunk_offset(start_row)
     subchunks = (off + rows + SUBCHUNK_ROWS - 1) // SUBCHUNK_ROWS
     if per_block is None:  # a key head's whole group when there are enough CTAs, else one head a CTA
         per_block = group if subchunks * key_heads >= sms else 1
@@ -246,12 +261,11 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     ptrs = [device_pointer(a) for a in (qn, kn, mixed, g, beta)] + parts
     prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split)
     prepare[(subchunks, key_heads * (group // per_block)), PREPARE_THREADS, stream, prepare_bytes](
-        *ptrs, rows, off, key_heads, value_heads, channels, v0, per_block)
-    state = device_pointer(states) + slot * value_heads * key_dim * value_dim * 4
+        *ptrs, meta, key_heads, value_heads, channels, v0, per_block)
     walk_launch, walk_bytes = walk_kernel(key_dim, bv, warps, split)
     walk_launch[(value_dim // bv, value_heads), warps * 32, stream, walk_bytes](
-        ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], state, device_pointer(out), rows, off, key_heads,
-        value_heads, value_dim)
+        ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], device_pointer(states),
+        value_heads * key_dim * value_dim * 4, device_pointer(out), meta, key_heads, value_heads, value_dim)
     return out
 
 

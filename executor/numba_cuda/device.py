@@ -100,6 +100,18 @@ class StepBuffers:
 
 
 _step: contextvars.ContextVar[tuple[StepBuffers, bool] | None] = contextvars.ContextVar("warmstate_step", default=None)
+_pool: contextvars.ContextVar["DevicePool | None"] = contextvars.ContextVar("warmstate_pool", default=None)
+
+
+@contextlib.contextmanager
+def using_pool(pool: "DevicePool"):
+    """Within this block `empty` takes its blocks from `pool` instead of the process's `POOL`
+    (graphs.PrefillGraphs: a private pool whose blocks only its captured steps use)."""
+    token = _pool.set(pool)
+    try:
+        yield pool
+    finally:
+        _pool.reset(token)
 
 
 def _size_class(nbytes: int) -> int:
@@ -417,14 +429,16 @@ POOL = None if IS_SIMULATOR or os.environ.get("WARMSTATE_DEVICE_POOL", "1") == "
 
 def empty(shape, dtype, stream=0):
     """A new device array (uninitialised; poisoned inside `poisoned()`; the recorded one
-    inside `StepBuffers.replaying()`; from `POOL`, a `LeanArray`, when it is on)."""
+    inside `StepBuffers.replaying()`; a `LeanArray` from the pool of `using_pool`, else from
+    `POOL` when it is on)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in (shape if isinstance(shape, tuple) else (shape,)))
     step = _step.get()
     if step is not None and step[1]:
         return step[0]._take(shape, dtype)
-    if POOL is not None and all(shape):
-        array = POOL.array(shape, dtype, stream)
+    pool = _pool.get() or POOL
+    if pool is not None and all(shape):
+        array = pool.array(shape, dtype, stream)
     else:
         array = cuda.device_array(shape, dtype=dtype, stream=stream)
     if _poison.get() and array.size:
@@ -500,6 +514,19 @@ def to_device(host: np.ndarray, stream=0):
     numba's array under the simulator."""
     array = cuda.to_device(np.ascontiguousarray(host), stream=stream)
     return array if IS_SIMULATOR else LeanArray.wrap(array)
+
+
+def chunk_meta(meta, rows: int, start: int, slot: int, stream=0):
+    """The i32 device array [>= 3] = (rows in use, start row, slot) that a prefill kernel reads
+    on the device (graphs.PrefillGraphs replays a captured chunk with other values): `meta`
+    itself when given (checked: i32, 1-D, at least 3 entries; its values live on the device),
+    else a new upload of (rows, start, slot). Raises ValueError naming `meta`."""
+    if meta is None:
+        return to_device(np.asarray([rows, start, slot], np.int32), stream)
+    check("meta", meta, np.int32, 1)
+    if meta.shape[0] < 3:
+        raise ValueError(f"meta {tuple(meta.shape)} must hold (rows, start, slot)")
+    return meta
 
 
 def is_gpu_available() -> bool:

@@ -1,4 +1,5 @@
-"""Elementwise kernels: the embedding gather and the SwiGLU product.
+"""Elementwise kernels: the embedding gather, the SwiGLU product and the logits row of a
+padded prefill.
 
 Twins: `ops.embed` and `ops.silu(gate) * up` (the middle of `ops.swiglu_mlp`). The
 attention output gate is fused into attention's combine (attention.py); residual adds
@@ -121,3 +122,37 @@ def swiglu(gate_up, out=None, stream=0):
     else:
         _swiglu_kernel[(blocks(inter), rows), THREADS, stream](gate_up, out)
     return out
+
+
+@fast
+@cuda.jit
+def _last_row_kernel(x, delta, meta, x_out, delta_out):
+    # x, delta: [rows, hidden] f32; meta: i32 [>= 1] (meta[0]: the rows in use, >= 1)
+    # x_out, delta_out: [1, hidden] f32 <- row meta[0] - 1 of x and of delta
+    i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+    row = meta[0] - 1
+    if i < x.shape[1]:
+        x_out[0, i] = x[row, i]
+        delta_out[0, i] = delta[row, i]
+
+
+def last_row(x, delta, meta, stream=0):
+    """(x[n - 1 : n], delta[n - 1 : n]) as new f32 [1, hidden] arrays, n = meta[0] read on
+    the device: the logits row of a prefill whose row count the host does not fix (a
+    captured step padded to its bucket, graphs.PrefillGraphs). An exact copy, so the norm
+    and LM head after it give the bits of the host slice.
+
+    x, delta: f32 device [rows, hidden], inner-contiguous; meta: i32 device [>= 1] with
+    1 <= meta[0] <= rows (not checked: it lives on the device). Raises ValueError naming
+    the argument on a wrong dtype, rank or shape.
+    """
+    check("x", x, np.float32, 2)
+    check("delta", delta, np.float32, 2)
+    check("meta", meta, np.int32, 1)
+    if tuple(delta.shape) != tuple(x.shape) or not x.shape[0]:
+        raise ValueError(f"delta {delta.shape} must equal x {x.shape}, with rows")
+    hidden = x.shape[1]
+    x_out = empty((1, hidden), np.float32, stream)
+    delta_out = empty((1, hidden), np.float32, stream)
+    _last_row_kernel[blocks(hidden), THREADS, stream](x, delta, meta, x_out, delta_out)
+    return x_out, delta_out

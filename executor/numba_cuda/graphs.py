@@ -1,4 +1,5 @@
-"""CUDA graphs of the numba-cuda backend's decode step, applied to a built backend.
+"""CUDA graphs of the numba-cuda backend's decode step and short prefill chunks, applied to
+a built backend.
 
 `DecodeGraphs(backend).decode` is a drop-in for `backend.decode`. The first round at a
 lane count runs the step eagerly once to record its buffers (the lanes' recurrent and
@@ -11,7 +12,26 @@ array (pageable copies stage through driver buffers: slower, and synchronous). T
 inputs and buffers are those of the eager step, so logits and states are bit-identical
 to it (tests/executor/numba_cuda/test_gpu_backend.py::test_decode_graphs_equal_eager).
 The decode attention's split grid is sized for the pool's capacity; splits past a lane's
-position exit at once and change no bit. Prefill is not captured (few, large launches).
+position exit at once and change no bit.
+
+`PrefillGraphs(backend).prefill` runs a prefill chunk of at most max(BUCKETS) rows as one
+captured step padded to its bucket (the smallest of BUCKETS that holds it). Why: a short
+chunk is ~800 launches at 27B (~12 a layer), 25 ms of kernels and 28-48 ms of host time
+on the H200 machines (bench/RESULTS.md, sessions 8-10): host-bound, and slower still when
+the host is slow or busy. The captured step is exact for any chunk of its bucket because
+nothing the host fixes at capture depends on the chunk's rows, start or slot: the
+tensor-core delta rule and the fused attention read (rows, start, slot) from a device
+array (`meta`) with grids sized for the bucket (their extra CTAs return at once), the conv
+reads its rows from row_start, a padding row's slot is -1 so it writes no cache row, and
+the logits row is copied by a kernel that reads meta (elementwise.last_row). The rest is
+row-wise (norms, the pinned row-invariant GEMMs, SwiGLU, RoPE): a padding row computes
+garbage nobody reads, and a row's bits do not depend on the rows beside it. The last layer
+always runs in full (the same logits as a tail: tail == full is tested). So a chunk gives
+the eager chunk's bits (tests/executor/numba_cuda/test_gpu_prefill_graphs.py).
+Memory: each bucket is captured twice on a private `DevicePool` (the first run fills it,
+the capture then takes only blocks it holds: no allocation during capture), and the
+bucket graphs share that pool's blocks (they replay one at a time on one stream), so the
+graphs hold about one chunk's peak of live buffers at the largest bucket.
 """
 
 from __future__ import annotations
@@ -22,7 +42,7 @@ import attrs
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import StepBuffers, to_device
+from executor.numba_cuda.device import DevicePool, StepBuffers, to_device, using_pool
 
 try:
     from cuda.bindings import driver as _driver
@@ -129,6 +149,8 @@ class DecodeGraphs:
                 raise
             graph = _checked(_driver.cuStreamEndCapture(handle))
         executable = _checked(_driver.cuGraphInstantiate(graph, 0))
+        _checked(_driver.cuGraphUpload(executable, handle))  # else the first round pays the upload
+        stream.synchronize()
         return _Graph(packed, row_start, logits, cuda.pinned_array((3, lanes), np.int32),
                       cuda.pinned_array(tuple(logits.shape), np.float32), buffers, graph, executable)
 
@@ -151,3 +173,155 @@ class DecodeGraphs:
             _driver.cuGraphExecDestroy(graph.executable)
             _driver.cuGraphDestroy(graph.graph)
         self._graphs.clear()
+
+
+BUCKETS = (16, 32, 64, 128, 256)
+"""Padded row counts of the captured prefill chunks (vLLM pads to capture sizes the same
+way): a chunk of n rows runs in the smallest bucket >= n. Past 256 rows a 27B chunk's
+kernels outlast its launches (RESULTS.md), so longer chunks launch eagerly."""
+
+
+@attrs.define(eq=False)
+class _PrefillGraph:
+    """One captured chunk of `rows` (padded) rows: the device inputs (i32 [3 rows + 6]: ids |
+    positions | row slots | lane slot | row_start | meta), the logits buffer f32 [1, vocab],
+    their pinned host mirrors, the graph."""
+
+    rows: int
+    inputs: object
+    logits: object
+    host_inputs: np.ndarray
+    host_logits: np.ndarray
+    graph: object
+    executable: object
+
+
+class PrefillGraphs:
+    """Captured prefill chunks of one backend, one per bucket (see module docstring).
+
+    buckets: padded row counts, each > 0. Raises RuntimeError without cuda.bindings, and
+    ValueError on a bucket that is not a positive int or exceeds the pool's capacity."""
+
+    def __init__(self, backend, buckets=BUCKETS) -> None:
+        if _driver is None:
+            raise RuntimeError("CUDA graphs need cuda.bindings (cuda-python)")
+        buckets = tuple(sorted({int(b) for b in buckets}))
+        if not buckets or buckets[0] < 1 or buckets[-1] > backend.pool.capacity_rows:
+            raise ValueError(f"buckets {buckets} must be row counts in [1, {backend.pool.capacity_rows}]")
+        self.backend = backend
+        self.buckets = buckets
+        self.stream = cuda.stream()
+        self.pool = DevicePool(1 << 62)  # private: only these graphs' buffers; nothing is retired
+        self._graphs: dict[int, _PrefillGraph] = {}
+        self.replays = 0
+
+    def bucket(self, rows: int) -> int | None:
+        """The smallest bucket that holds `rows` rows (None when none does)."""
+        return bucket_for(self.buckets, rows)
+
+    def serves(self, start: int, end: int) -> bool:
+        """Whether rows [start, end) run here: a bucket holds them, and the attention's key
+        blocks past `end` (read up to the next multiple of BLOCK_KEYS) fit the capacity, as
+        the eager path requires."""
+        from executor.numba_cuda.attention_flash import BLOCK_KEYS
+
+        capacity = self.backend.pool.capacity_rows
+        return self.bucket(end - start) is not None and -(-end // BLOCK_KEYS) * BLOCK_KEYS <= capacity
+
+    def prefill(self, slot: int, ids: np.ndarray, start: int, end: int) -> np.ndarray:
+        """Run rows [start, end) of the stream in `slot` (token ids `ids`, checked by the
+        caller) through the captured chunk of their bucket, advancing that slot's state;
+        returns the last row's logits, host f32 [vocab] (a fresh array)."""
+        n = end - start
+        graph = self._graphs.get(self.bucket(n))
+        if graph is None:
+            graph = self._graphs[self.bucket(n)] = self._capture(self.bucket(n))
+        _fill(graph.host_inputs, graph.rows, ids, start, slot)
+        stream = self.stream
+        graph.inputs.copy_to_device(graph.host_inputs, stream=stream)
+        _checked(_driver.cuGraphLaunch(graph.executable, _cu_stream(stream)))
+        graph.logits.copy_to_host(graph.host_logits, stream=stream)
+        stream.synchronize()
+        self.replays += 1
+        return graph.host_logits[0].copy()
+
+    def prepare(self) -> None:
+        """Capture every bucket now (a server does this before it says ready, so no request
+        pays a capture); uses a fresh pool slot at row 0, released afterwards."""
+        for rows in self.buckets:
+            if rows not in self._graphs:
+                self._graphs[rows] = self._capture(rows)
+
+    def _capture(self, rows: int) -> _PrefillGraph:
+        backend, stream = self.backend, self.stream
+        host_inputs = cuda.pinned_array(3 * rows + 6, np.int32)
+        state = backend.new_state()
+        try:
+            _fill(host_inputs, rows, np.zeros(rows, np.int64), 0, state.slot)
+            inputs = to_device(np.asarray(host_inputs), stream)
+            views = _views(inputs, rows)
+            # run once (compiles, and fills the private pool with every block the step takes),
+            # then capture the same launches: the pool hands out only blocks it holds
+            with using_pool(self.pool):
+                backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+            stream.synchronize()
+            misses = self.pool.misses
+            handle = _cu_stream(stream)
+            with cuda.defer_cleanup(), using_pool(self.pool):
+                _checked(_driver.cuStreamBeginCapture(
+                    handle, _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+                try:
+                    logits = backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+                except BaseException:
+                    _driver.cuStreamEndCapture(handle)
+                    raise
+                graph = _checked(_driver.cuStreamEndCapture(handle))
+            if self.pool.misses != misses:
+                raise RuntimeError(f"the captured prefill of {rows} rows allocated {self.pool.misses - misses} "
+                                   "new blocks during capture")
+            executable = _checked(_driver.cuGraphInstantiate(graph, 0))
+            # one replay on the capture's own slot: a graph's first launch uploads it (the
+            # 2B server's first chunk of each bucket ran 1.7-2.9x the later ones, RESULTS.md)
+            _checked(_driver.cuGraphLaunch(executable, handle))
+            stream.synchronize()
+        finally:
+            backend.release(state)
+        return _PrefillGraph(rows, inputs, logits, host_inputs, cuda.pinned_array(tuple(logits.shape), np.float32),
+                             graph, executable)
+
+    def close(self) -> None:
+        """Destroy the captured graphs and free their private pool."""
+        for graph in self._graphs.values():
+            _driver.cuGraphExecDestroy(graph.executable)
+            _driver.cuGraphDestroy(graph.graph)
+        self._graphs.clear()
+        self.pool.release()
+
+
+def bucket_for(buckets: Sequence[int], rows: int) -> int | None:
+    """The smallest of `buckets` (ascending) that holds `rows` rows, or None."""
+    for b in buckets:
+        if rows <= b:
+            return b
+    return None
+
+
+def _fill(host: np.ndarray, rows: int, ids: np.ndarray, start: int, slot: int) -> None:
+    """Write a chunk of len(ids) <= rows rows from absolute row `start` of `slot` into the
+    i32 input buffer of a `rows`-row bucket: ids (padding 0) | positions (padding 0) | row
+    slots (padding -1: no cache row) | lane slot | row_start (0, n) | meta (n, start, slot)."""
+    n = len(ids)
+    host[:rows] = 0
+    host[:n] = ids
+    host[rows : 2 * rows] = 0
+    host[rows : rows + n] = np.arange(start, start + n, dtype=np.int32)
+    host[2 * rows : 3 * rows] = -1
+    host[2 * rows : 2 * rows + n] = slot
+    host[3 * rows :] = (slot, 0, n, n, start, slot)
+
+
+def _views(inputs, rows: int) -> tuple:
+    """(ids, positions, row slots, lane slots, row_start, meta) views of `_fill`'s layout."""
+    r = rows
+    return inputs[:r], inputs[r : 2 * r], inputs[2 * r : 3 * r], inputs[3 * r : 3 * r + 1], \
+        inputs[3 * r + 1 : 3 * r + 3], inputs[3 * r + 3 :]

@@ -18,6 +18,7 @@ from bench.fidelity_report import (
     compare,
     median,
     report_lines,
+    step_split_lines,
     trace_facts,
 )
 from executor.model import tiny_config
@@ -174,6 +175,29 @@ def tiny_profile(path) -> str:
     return str(path)
 
 
+def test_step_split_against_the_profile(tmp_path):
+    """The server's step records, split by kind, beside the profile's seconds for them."""
+    from sim.cost import load_profile
+
+    profile = load_profile(tiny_profile(tmp_path / "tiny.json"))
+    steps = [ev("step", 1.0, ran_s=0.010, phases={"forward": 0.008, "sample": 0.001}, prefill_rows=1,
+                prefill_start=0, restores=0, decode=0),
+             ev("step", 1.1, ran_s=0.020, phases={"forward": 0.018, "keep": 0.001}, prefill_rows=1, prefill_start=0,
+                restores=0, decode=0),
+             ev("step", 1.2, ran_s=0.012, phases={"decode": 0.011}, prefill_rows=0, prefill_start=None, restores=0,
+                decode=2),
+             ev("step", 1.3, ran_s=0.050, phases={}, prefill_rows=1, prefill_start=0, restores=0, decode=2),  # mixed
+             ev("chunk_done", 1.3, stream=1)]
+    lines = step_split_lines(steps, profile)
+    # prefill-only: server median 15 ms against the profile's 4 ms (1 row at context 0, no host terms)
+    assert "prefill-only steps (2): server 15.00, profile 4.00" in lines[1]
+    assert "3.75x" in lines[1] and "forward 13.00" in lines[1] and "keep 0.50" in lines[1]
+    # decode-only, 2 lanes: the profile's round at 2 lanes, context 0 (5 ms + (60-5)/15 ms)
+    assert lines[2].startswith("  decode-only steps, 2 lanes (1): server 12.00, profile at context 0 8.67")
+    assert len(lines) == 3  # the mixed step is in neither
+    assert step_split_lines([ev("chunk_done", 1.0, stream=1)], profile) == []
+
+
 def test_fidelity_against_the_tiny_server(tmp_path, capsys):
     out = tmp_path / "fid"
     profile = tiny_profile(tmp_path / "tiny.json")
@@ -191,6 +215,9 @@ def test_fidelity_against_the_tiny_server(tmp_path, capsys):
     assert all(r["server"]["output_rows"] == r["sim"]["output_rows"] for r in rows)
     for name in ("plan.json", "records.jsonl", "server_trace.jsonl", "sim_trace.jsonl", "report.txt", "policy.toml"):
         assert (out / name).is_file(), name
+    steps = [json.loads(line) for line in (out / "server_trace.jsonl.steps.jsonl").read_text().splitlines()]
+    assert steps and all(e["ran_s"] > 0 and "forward" in e["phases"] for e in steps if e["prefill_rows"])
+    assert "server steps against the profile" in text and "prefill-only steps" in text
 
     # replay: the same comparison without a server; then a planted policy change in the recorded
     # meta (the simulator takes the server's policy from it): without request starts nothing under

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 import pytest
 
+import bench.profile as profile_mod
 from bench.host_cost import HostMeasured
 from bench.profile import (
     ProfileGrid,
@@ -127,6 +128,37 @@ def test_measure_times_every_point_as_the_stepper_calls_it():
     assert dict(with_host.provenance)["host"] == host.record()
     assert with_host.prefill_s(100, 1000) == profile.prefill_s(100, 1000)
     assert "host: 300 us per step + 10.0 us per decode lane + 595 us per prefill chunk" in table(with_host)
+
+
+def test_each_timed_keep_allocates_fresh_memory_and_keeps_logits():
+    """A keep is timed as a server whose prompt cache grows pays it: the rig's cached device
+    memory given back before each run (outside the timing), the snapshot with its logits."""
+    grid = ProfileGrid(prefill_rows=(1,), contexts=(0, 1000), lanes=(1,), repeat=3, decode_rounds=1, host=None)
+    rig, backend = fake_rig()
+    calls = {"uncache": 0, "fresh": False}
+
+    def uncache():
+        calls["uncache"] += 1
+        calls["fresh"] = True
+
+    snapshot = backend.snapshot
+
+    def fresh_snapshot(state):
+        assert calls["fresh"], "a keep into memory the pool had cached"
+        calls["fresh"] = False
+        return snapshot(state)
+
+    backend.snapshot = fresh_snapshot
+    kept = []
+    real = profile_mod.payloads.snapshot
+    profile_mod.payloads.snapshot = lambda b, s, logits: kept.append(logits) or real(b, s, logits)
+    try:
+        m = measure(attrs.evolve(rig, uncache=uncache), grid, log=lambda _: None)
+    finally:
+        profile_mod.payloads.snapshot = real
+    assert calls["uncache"] == len(grid.contexts) * grid.repeat
+    assert len(kept) == len(grid.contexts) * grid.repeat and all(k.shape == (CONFIG.vocab_size,) for k in kept)
+    assert m.keep == pytest.approx([1e-4 + 1e-9 * b for b in m.state_bytes])
 
 
 def test_prefill_kwargs_follow_the_tail_rule():

@@ -35,6 +35,21 @@ def small_config(**overrides) -> Qwen35Config:
     return attrs.evolve(base, **overrides)
 
 
+def gpu_test_configs() -> dict[str, Qwen35Config]:
+    """The tiny shapes the GPU backend's exactness tests run (test_gpu_backend.py,
+    test_gpu_prefill_graphs.py): small_config (grouped value heads, untied), and a tied,
+    deeper one with three full-attention layers, head_dim 16 and half-rotary RoPE."""
+    return {
+        "gva-untied": small_config(),
+        "tied-deep": small_config(
+            tie_word_embeddings=True, num_hidden_layers=8,
+            layer_types=(LINEAR, FULL, LINEAR, LINEAR, LINEAR, FULL, LINEAR, FULL),
+            linear_num_key_heads=1, linear_num_value_heads=3, num_attention_heads=6, num_key_value_heads=2,
+            head_dim=16, partial_rotary_factor=0.5,
+        ),
+    }
+
+
 def torch_oracle(model_dir: str | Path):
     """transformers.Qwen3_5ForCausalLM (float32, eager attention) holding the checkpoint's
     tensors, read with safetensors.torch (independent of executor.weights)."""

@@ -35,6 +35,8 @@ def test_flags_override_the_policy_file(tmp_path):
     assert config_from_args(parse_args(["--no-snap-starts"])).policy.snap_starts is False
     assert config_from_args(parse_args([])).engine_process is True
     assert config_from_args(parse_args(["--no-engine-process"])).engine_process is False
+    assert config_from_args(parse_args([])).prefill_graphs is True
+    assert config_from_args(parse_args(["--no-prefill-graphs"])).prefill_graphs is False
     path.write_text("snap_starts = false\n")
     assert config_from_args(parse_args(["--policy", str(path), "--snap-starts"])).policy.snap_starts is True
 

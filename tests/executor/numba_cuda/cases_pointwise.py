@@ -138,3 +138,52 @@ def test_kv_norm_rope_store_writes_its_rows_only():
     np.testing.assert_array_equal(v_host, bf16(v))
     untouched = as_f32(kcache.copy_to_host()[0])
     assert np.isnan(untouched).all(), "kv_norm_rope_store wrote outside its slot"
+
+
+def test_kv_norm_rope_store_skips_padding_rows():
+    """A row whose slot is -1 (a padding row of a captured prefill) writes no cache row: the
+    caches stay poisoned everywhere but the real rows, and those equal a run without padding."""
+    r = rng()
+    rows, kv_heads, head_dim, rotary, slots, capacity = 5, 2, 16, 8, 2, 12
+    kv = r.normal(size=(rows, 2 * kv_heads * head_dim)).astype(np.float32)
+    weight = r.normal(0, 0.1, head_dim).astype(np.float32)
+    positions = np.asarray([3, 4, 5, 6, 7], np.int32)
+    slot = np.asarray([1, 1, 1, -1, -1], np.int32)
+    freqs = attention_prep.inv_freq(1e4, rotary)
+    caches = []
+    for n in (rows, 3):
+        with poisoned():
+            kcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
+            vcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
+            attention_prep.kv_norm_rope_store(
+                to_device(kv[:n].copy()), to_device(weight), to_device(freqs), to_device(positions[:n].copy()),
+                to_device(slot[:n].copy()), 1e-6, kcache, vcache,
+            )
+        caches.append((kcache.copy_to_host(), vcache.copy_to_host()))
+    (k, v), (k3, v3) = caches
+    for cache, alone in ((k, k3), (v, v3)):
+        np.testing.assert_array_equal(cache, alone)  # same bits (poison is one NaN pattern)
+        written = np.zeros(cache.shape[:2], bool)
+        written[1, 3:6] = True
+        assert not np.isnan(as_f32(cache[written])).any()
+        assert np.isnan(as_f32(cache[~written])).all(), "a padding row wrote a cache row"
+
+
+@pytest.mark.parametrize("n", [1, 4, 6])
+def test_last_row_reads_its_row_on_the_device(n):
+    r = rng()
+    x = r.normal(size=(6, 40)).astype(np.float32)
+    delta = r.normal(size=(6, 40)).astype(np.float32)
+    with poisoned():
+        x1, d1 = elementwise.last_row(to_device(x), to_device(delta), to_device(np.asarray([n, 9, 9], np.int32)))
+    np.testing.assert_array_equal(host(x1), x[n - 1 : n])
+    np.testing.assert_array_equal(host(d1), delta[n - 1 : n])
+
+
+def test_last_row_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="delta"):
+        elementwise.last_row(to_device(np.zeros((3, 4), np.float32)), to_device(np.zeros((2, 4), np.float32)),
+                             to_device(np.ones(1, np.int32)))
+    with pytest.raises(ValueError, match="meta"):
+        elementwise.last_row(to_device(np.zeros((3, 4), np.float32)), to_device(np.zeros((3, 4), np.float32)),
+                             to_device(np.ones(1, np.float32)))

@@ -26,16 +26,9 @@ from executor.reference.backend import ReferenceBackend  # noqa: E402
 from executor.weights import load_weights  # noqa: E402
 from policy.shape import ModelShape, state_bytes  # noqa: E402
 from policy.usable import BackendFacts  # noqa: E402
-from tests.executor.qwen_support import small_config  # noqa: E402
+from tests.executor.qwen_support import gpu_test_configs, small_config  # noqa: E402
 
-CONFIGS = {
-    "gva-untied": small_config(),
-    "tied-deep": small_config(
-        tie_word_embeddings=True, num_hidden_layers=8, layer_types=(LINEAR, FULL, LINEAR, LINEAR, LINEAR, FULL, LINEAR, FULL),
-        linear_num_key_heads=1, linear_num_value_heads=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-        partial_rotary_factor=0.5,
-    ),
-}
+CONFIGS = gpu_test_configs()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -33,14 +33,18 @@ TOL = {1: 4e-3, 3: 1e-4}
 3xTF32 (~fp32 operands)."""
 
 
-def _mma(inputs, states, slot, start_row, cuts, **kwargs):
-    """delta_mma over input rows [cuts[i], cuts[i + 1]) (absolute start_row + cuts[i])."""
+def _mma(inputs, states, slot, start_row, cuts, anchor_at_start=False, **kwargs):
+    """delta_mma over input rows [cuts[i], cuts[i + 1]) (absolute start_row + cuts[i]).
+    anchor_at_start (a planted break): the kernels read each piece's start as row 0, so its
+    sub-chunks are anchored at the piece's start instead of absolute multiples of 64."""
     q, k, v, g, beta = inputs
     qn = (q * np.float32(q.shape[2] ** -0.5)).astype(np.float32)
     r = rng()
     outs = []
     for a, b in pairwise(cuts):
         mixed = np.concatenate([r.normal(size=(b - a, V0)), v[a:b].reshape(b - a, -1)], axis=1).astype(np.float32)
+        if anchor_at_start:
+            kwargs["meta"] = to_device(np.asarray([b - a, 0, slot], np.int32))
         with poisoned():
             out = delta_mma.delta_mma(
                 to_device(qn[a:b]), to_device(k[a:b]), to_device(mixed), V0, to_device(g[a:b]), to_device(beta[a:b]),
@@ -110,13 +114,13 @@ def test_delta_mma_is_bit_identical_on_the_64_row_grid(start_row, rows, chunking
 def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
     """Sub-chunks anchored at the chunk start instead of absolute multiples of 64: a chunk
     from row 100 in one piece no longer matches the same rows cut at row 128."""
-    monkeypatch.setattr(delta_mma, "_subchunk_offset", lambda start_row: 0)
+    monkeypatch.setattr(delta_mma, "_subchunk_offset", lambda start_row: 0)  # the launch grid's anchor
     r = rng()
     inputs = delta_inputs(r, 156, 1, 2, 128, 128)
     state0 = (r.normal(size=(1, 2, 128, 128)) * 0.3).astype(np.float32)
     whole_states, piece_states = to_device(state0), to_device(state0)
-    whole = _mma(inputs, whole_states, 0, 100, [0, 156])
-    pieces = _mma(inputs, piece_states, 0, 100, [0, 28, 156])
+    whole = _mma(inputs, whole_states, 0, 100, [0, 156], anchor_at_start=True)
+    pieces = _mma(inputs, piece_states, 0, 100, [0, 28, 156], anchor_at_start=True)
     assert not np.array_equal(whole, pieces)
     assert not np.array_equal(whole_states.copy_to_host(), piece_states.copy_to_host())
 
