@@ -353,15 +353,17 @@ def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     the trace) of two kinds, prefill-only
     steps (a chunk, no decode lanes) and decode-only steps (by lanes), the median of the
     step's seconds in the worker and of each phase, beside the median of the profile's
-    seconds for the same steps (prefill: prefill_s(rows, start) + host_s; decode: the round
-    at context 0 + host_s; the restore and keep a chunk makes show in the server's phases,
-    the simulator adds them by bytes). Empty when there are no step records."""
+    seconds for the same steps (prefill: prefill_s(rows, start) + host_s(restored lanes,
+    chunk), as sim.loop charges a step; decode: the round at context 0 + host_s(lanes); the
+    restores and the keep a step makes show in the server's phases, the simulator adds them by
+    bytes). Empty when there are no step records."""
     steps = [e for e in events if e.get("kind") == "step"]
     if not steps:
         return []
     lines = ["server steps against the profile (median ms; phases are the worker's host seconds):"]
     chunk = [e for e in steps if e["prefill_rows"] and not e["decode"]]
     if chunk:
+        # host_s as sim.loop charges a step: restored lanes count as lanes
         model = [profile.prefill_s(e["prefill_rows"], e["prefill_start"]) + profile.host_s(e["restores"], True)
                  for e in chunk]
         phases = sorted({p for e in chunk for p in e["phases"]})

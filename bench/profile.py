@@ -10,8 +10,8 @@ and detokenized (executor.stops.TextStream with the real Qwen3.5 vocabulary, as 
 payloads.snapshot / restore of a state with its last row's logits (as a kept row holds
 them), each keep into fresh device memory (`Rig.uncache` first gives the pool's cached
 blocks back, outside the timing): a server's keeps allocate while its prompt cache grows
-(2B, 19 MiB: 0.82 ms a keep in the server against 0.14 ms into a cached block, RESULTS.md
-session 10). The device is synchronised before and after each timed call. A
+(2B, 19 MiB: a median 0.87-0.99 ms a keep in the server against 0.14 ms into a cached
+block, RESULTS.md session 10). The device is synchronised before and after each timed call. A
 state at a context comes from a real prefill on the reference backend, and on the GPU from
 random K/V rows and recurrent states (bench/decode_prefill.py's `_fresh_states`: attention and
 the delta rule cost the same whatever the values). After the warm-up the collector's objects

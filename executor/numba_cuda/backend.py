@@ -118,31 +118,41 @@ class NumbaCudaBackend:
     def enable_prefill_graphs(self, buckets: Sequence[int] | None = None) -> bool:
         """Make `prefill` replay CUDA graphs for chunks of at most max(buckets) rows
         (graphs.PrefillGraphs: the chunk padded to its bucket, the same bits as the eager
-        chunk, tested); every bucket is captured now; buckets (default graphs.BUCKETS) past
-        the pool's capacity are left out. Needs the tensor-core delta rule and the fused
-        attention (their kernels read rows, start and slot on the device); returns False,
-        leaving prefill eager with the reason in `prefill_graphs_off`, on a backend that runs
-        another path, when no bucket fits, or when a capture fails."""
+        chunk, tested); every bucket is captured now (again, replacing earlier graphs, when
+        called again); buckets (default graphs.BUCKETS) whose key blocks do not fit the
+        pool's capacity are left out, and so is a bucket whose capture fails (logged). Needs
+        the tensor-core delta rule and the fused attention (their kernels read rows, start and
+        slot on the device); returns False, leaving prefill eager with the reason in
+        `prefill_graphs_off`, on a backend that runs another path, when no bucket fits, or
+        when no capture succeeds."""
+        from executor.numba_cuda.attention_flash import BLOCK_KEYS
         from executor.numba_cuda.graphs import BUCKETS, PrefillGraphs
 
         if self._delta_path() != "mma" or self._prefill_path() != "flash":
             self.prefill_graphs_off = f"prefill paths delta {self._delta_path()}, attention {self._prefill_path()}"
             log.info("prefill_graphs_off", reason=self.prefill_graphs_off)
             return False
-        buckets = [b for b in (BUCKETS if buckets is None else buckets) if b <= self.pool.capacity_rows]
+        capacity = self.pool.capacity_rows
+        buckets = [b for b in (BUCKETS if buckets is None else buckets) if -(-b // BLOCK_KEYS) * BLOCK_KEYS <= capacity]
         if not buckets:
-            self.prefill_graphs_off = f"no bucket fits the capacity of {self.pool.capacity_rows} rows"
+            self.prefill_graphs_off = f"no bucket fits the capacity of {capacity} rows"
             log.info("prefill_graphs_off", reason=self.prefill_graphs_off)
             return False
-        graphs = self._prefill_graphs or PrefillGraphs(self, buckets)
+        if self._prefill_graphs is not None:  # asked again: capture anew for these buckets
+            self._prefill_graphs.close()
+            self._prefill_graphs = None
+        graphs = None
         try:
+            graphs = PrefillGraphs(self, buckets)
             graphs.prepare()
         except Exception as exc:  # noqa: BLE001 - eager chunks give the same bits: serve without graphs
-            graphs.close()
-            self._prefill_graphs = None
+            if graphs is not None:
+                graphs.close()
             self.prefill_graphs_off = f"capture failed: {exc!r}"
             log.warning("prefill_graphs_off", reason=self.prefill_graphs_off)
             return False
+        if graphs.failed:
+            log.warning("prefill_graphs_partial", buckets=graphs.buckets, failed=graphs.failed)
         self._prefill_graphs = graphs
         self.prefill_graphs_off = None
         return True

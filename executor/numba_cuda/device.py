@@ -354,12 +354,15 @@ class DevicePool:
     a block returned past it is retired, and retired blocks are freed (after a device
     synchronize, since cuMemFree must not race queued work) at the next allocation that
     misses the cache, or by `release`. On an allocation failure every cached and retired
-    block is freed and the allocation tried once more. Enabled unless
+    block is freed and the allocation tried once more, unless `release_on_oom` is False
+    (graphs.PrefillGraphs' private pool: its cached blocks are buffers that captured graphs
+    still use, so a failure raises instead). The process's `POOL` is enabled unless
     WARMSTATE_DEVICE_POOL=0; the simulator never pools.
     """
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, release_on_oom: bool = True) -> None:
         self.limit_bytes = limit_bytes
+        self.release_on_oom = release_on_oom
         self.cached_bytes = 0
         self.hits = self.misses = 0
         self._free: dict[int, list[int]] = {}
@@ -385,6 +388,8 @@ class DevicePool:
         try:
             return int(driver.cuMemAlloc(size))
         except Exception:  # noqa: BLE001 - out of memory: give the cached blocks back and retry once
+            if not self.release_on_oom:
+                raise
             self.release()
             return int(driver.cuMemAlloc(size))
 

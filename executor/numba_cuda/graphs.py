@@ -16,9 +16,10 @@ position exit at once and change no bit.
 
 `PrefillGraphs(backend).prefill` runs a prefill chunk of at most max(BUCKETS) rows as one
 captured step padded to its bucket (the smallest of BUCKETS that holds it). Why: a short
-chunk is ~800 launches at 27B (~12 a layer), 25 ms of kernels and 28-48 ms of host time
-on the H200 machines (bench/RESULTS.md, sessions 8-10): host-bound, and slower still when
-the host is slow or busy. The captured step is exact for any chunk of its bucket because
+chunk is ~800 kernels at 27B (~12 a layer; 531 numba launches and 272 cuBLASLt calls), and
+its launches took 28-48 ms of host time on the H200 machines against ~25 ms of kernels
+(bench/RESULTS.md, sessions 8-10): host-bound, and slower still when the host is slow or
+busy. The captured step is exact for any chunk of its bucket because
 nothing the host fixes at capture depends on the chunk's rows, start or slot: the
 tensor-core delta rule and the fused attention read (rows, start, slot) from a device
 array (`meta`) with grids sized for the bucket (their extra CTAs return at once), the conv
@@ -28,14 +29,20 @@ row-wise (norms, the pinned row-invariant GEMMs, SwiGLU, RoPE): a padding row co
 garbage nobody reads, and a row's bits do not depend on the rows beside it. The last layer
 always runs in full (the same logits as a tail: tail == full is tested). So a chunk gives
 the eager chunk's bits (tests/executor/numba_cuda/test_gpu_prefill_graphs.py).
-Memory: each bucket is captured twice on a private `DevicePool` (the first run fills it,
-the capture then takes only blocks it holds: no allocation during capture), and the
-bucket graphs share that pool's blocks (they replay one at a time on one stream), so the
-graphs hold about one chunk's peak of live buffers at the largest bucket.
+Capture, per bucket: one eager run on the process's pool (it compiles kernels and pins
+GEMM algorithms, whose scratch must not stay in the private pool), one eager run on a
+private `DevicePool` (it fills the pool with every block the step takes), the capture on
+that pool (it hands out only blocks it holds: an allocation during capture is an error),
+and one replay (a graph's first launch uploads it). The bucket graphs share the private
+pool's blocks (they replay one at a time on one stream), so they hold about one chunk's
+peak of live buffers at the largest bucket; the pool never frees a block while a graph
+lives, not even on an allocation failure (`DevicePool.release_on_oom`). A bucket whose
+capture fails is left out (`failed`), and its chunks launch eagerly.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import attrs
@@ -199,20 +206,19 @@ class _PrefillGraph:
 class PrefillGraphs:
     """Captured prefill chunks of one backend, one per bucket (see module docstring).
 
-    buckets: padded row counts, each > 0. Raises RuntimeError without cuda.bindings, and
-    ValueError on a bucket that is not a positive int or exceeds the pool's capacity."""
+    buckets: padded row counts, ints in [1, capacity] whose key blocks (BLOCK_KEYS) fit the
+    pool's capacity. Raises RuntimeError without cuda.bindings, and ValueError naming
+    `buckets` otherwise. `failed`: bucket -> why its capture failed (it left `buckets`)."""
 
     def __init__(self, backend, buckets=BUCKETS) -> None:
         if _driver is None:
             raise RuntimeError("CUDA graphs need cuda.bindings (cuda-python)")
-        buckets = tuple(sorted({int(b) for b in buckets}))
-        if not buckets or buckets[0] < 1 or buckets[-1] > backend.pool.capacity_rows:
-            raise ValueError(f"buckets {buckets} must be row counts in [1, {backend.pool.capacity_rows}]")
+        self.buckets = check_buckets(buckets, backend.pool.capacity_rows)
         self.backend = backend
-        self.buckets = buckets
         self.stream = cuda.stream()
-        self.pool = DevicePool(1 << 62)  # private: only these graphs' buffers; nothing is retired
+        self.pool = DevicePool(1 << 62, release_on_oom=False)  # private: these graphs' buffers, never retired
         self._graphs: dict[int, _PrefillGraph] = {}
+        self.failed: dict[int, str] = {}
         self.replays = 0
 
     def bucket(self, rows: int) -> int | None:
@@ -233,9 +239,12 @@ class PrefillGraphs:
         caller) through the captured chunk of their bucket, advancing that slot's state;
         returns the last row's logits, host f32 [vocab] (a fresh array)."""
         n = end - start
-        graph = self._graphs.get(self.bucket(n))
+        rows = self.bucket(n)
+        if rows is None:
+            raise ValueError(f"rows [{start}, {end}): no bucket of {self.buckets} holds {n} rows")
+        graph = self._graphs.get(rows)
         if graph is None:
-            graph = self._graphs[self.bucket(n)] = self._capture(self.bucket(n))
+            graph = self._graphs[rows] = self._capture(rows)
         _fill(graph.host_inputs, graph.rows, ids, start, slot)
         stream = self.stream
         graph.inputs.copy_to_device(graph.host_inputs, stream=stream)
@@ -247,10 +256,19 @@ class PrefillGraphs:
 
     def prepare(self) -> None:
         """Capture every bucket now (a server does this before it says ready, so no request
-        pays a capture); uses a fresh pool slot at row 0, released afterwards."""
+        pays a capture); uses a fresh pool slot at row 0, released afterwards. A bucket whose
+        capture raises is left out of `buckets` (its chunks launch eagerly), with the reason
+        in `failed`; RuntimeError when none is left."""
         for rows in self.buckets:
-            if rows not in self._graphs:
+            if rows in self._graphs:
+                continue
+            try:
                 self._graphs[rows] = self._capture(rows)
+            except Exception as exc:  # noqa: BLE001 - the eager chunk gives the same bits
+                self.failed[rows] = repr(exc)
+        self.buckets = tuple(b for b in self.buckets if b in self._graphs)
+        if not self.buckets:
+            raise RuntimeError(f"no prefill graph captured: {self.failed}")
 
     def _capture(self, rows: int) -> _PrefillGraph:
         backend, stream = self.backend, self.stream
@@ -260,8 +278,11 @@ class PrefillGraphs:
             _fill(host_inputs, rows, np.zeros(rows, np.int64), 0, state.slot)
             inputs = to_device(np.asarray(host_inputs), stream)
             views = _views(inputs, rows)
-            # run once (compiles, and fills the private pool with every block the step takes),
-            # then capture the same launches: the pool hands out only blocks it holds
+            # run on the process's pool (compiles, pins GEMM algorithms), then on the private
+            # pool (fills it with every block the step takes), then capture the same launches:
+            # the private pool hands out only blocks it holds
+            backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+            stream.synchronize()
             with using_pool(self.pool):
                 backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
             stream.synchronize()
@@ -296,6 +317,23 @@ class PrefillGraphs:
             _driver.cuGraphDestroy(graph.graph)
         self._graphs.clear()
         self.pool.release()
+
+
+def check_buckets(buckets: Sequence[int], capacity: int) -> tuple[int, ...]:
+    """`buckets` as a sorted tuple of distinct ints, each in [1, capacity] with its key blocks
+    (rounded up to BLOCK_KEYS, as the fused attention reads them) within the capacity.
+    Raises ValueError naming `buckets`."""
+    from executor.numba_cuda.attention_flash import BLOCK_KEYS
+
+    try:
+        values = [operator.index(b) for b in buckets]
+    except TypeError:
+        raise ValueError(f"buckets {buckets!r} must be row counts (ints)") from None
+    out = tuple(sorted(set(values)))
+    if not out or out[0] < 1 or -(-out[-1] // BLOCK_KEYS) * BLOCK_KEYS > capacity:
+        raise ValueError(f"buckets {out} must be row counts >= 1 whose key blocks of {BLOCK_KEYS} fit the "
+                         f"capacity of {capacity} rows")
+    return out
 
 
 def bucket_for(buckets: Sequence[int], rows: int) -> int | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 
+import attrs
+
 import pytest
 
 from bench.fidelity import Rendered, main, sim_workload
@@ -22,7 +24,7 @@ from bench.fidelity_report import (
     trace_facts,
 )
 from executor.model import tiny_config
-from sim.cost import Grid, Profile, TableCost, profile_to_dict
+from sim.cost import Grid, HostCost, Profile, TableCost, profile_to_dict
 
 
 def ev(kind: str, t: float, **fields) -> dict:
@@ -180,20 +182,23 @@ def test_step_split_against_the_profile(tmp_path):
     from sim.cost import load_profile
 
     profile = load_profile(tiny_profile(tmp_path / "tiny.json"))
+    host = HostCost(step_s=1e-3, lane_s=2e-3, chunk_s=0.0)
+    profile = attrs.evolve(profile, cost=attrs.evolve(profile.cost, host=host))
     steps = [ev("step", 1.0, ran_s=0.010, phases={"forward": 0.008, "sample": 0.001}, prefill_rows=1,
                 prefill_start=0, restores=0, decode=0),
              ev("step", 1.1, ran_s=0.020, phases={"forward": 0.018, "keep": 0.001}, prefill_rows=1, prefill_start=0,
-                restores=0, decode=0),
+                restores=1, decode=0),
              ev("step", 1.2, ran_s=0.012, phases={"decode": 0.011}, prefill_rows=0, prefill_start=None, restores=0,
                 decode=2),
              ev("step", 1.3, ran_s=0.050, phases={}, prefill_rows=1, prefill_start=0, restores=0, decode=2),  # mixed
              ev("chunk_done", 1.3, stream=1)]
     lines = step_split_lines(steps, profile)
-    # prefill-only: server median 15 ms against the profile's 4 ms (1 row at context 0, no host terms)
-    assert "prefill-only steps (2): server 15.00, profile 4.00" in lines[1]
-    assert "3.75x" in lines[1] and "forward 13.00" in lines[1] and "keep 0.50" in lines[1]
-    # decode-only, 2 lanes: the profile's round at 2 lanes, context 0 (5 ms + (60-5)/15 ms)
-    assert lines[2].startswith("  decode-only steps, 2 lanes (1): server 12.00, profile at context 0 8.67")
+    # prefill-only: server median 15 ms against the profile's 4 ms (1 row at context 0) + 1 ms a
+    # step + 2 ms a restored lane, as sim.loop charges them: 5 and 7 ms, median 6 ms
+    assert "prefill-only steps (2): server 15.00, profile 6.00" in lines[1]
+    assert "2.43x" in lines[1] and "forward 13.00" in lines[1] and "keep 0.50" in lines[1]
+    # decode-only, 2 lanes: the profile's round at 2 lanes, context 0 (5 ms + (60-5)/15 ms) + 1 + 2 x 2 ms
+    assert lines[2].startswith("  decode-only steps, 2 lanes (1): server 12.00, profile at context 0 13.67")
     assert len(lines) == 3  # the mixed step is in neither
     assert step_split_lines([ev("chunk_done", 1.0, stream=1)], profile) == []
 

@@ -68,3 +68,21 @@ def test_chunk_meta_uploads_or_checks():
         chunk_meta(to_device(np.asarray([1, 2], np.int32)), 5, 100, 3)
     with pytest.raises(ValueError, match="meta"):
         chunk_meta(to_device(np.asarray([1, 2, 3], np.int64)), 5, 100, 3)
+
+
+def test_a_failed_capture_leaves_prefill_eager():
+    """No cuda.bindings (the simulator) or a capture that raises: enable_prefill_graphs says
+    why and prefill stays eager; the server starts either way."""
+    from executor.numba_cuda.backend import NumbaCudaBackend
+
+    stub = _Stub("mma", "flash", 4096)
+    assert NumbaCudaBackend.enable_prefill_graphs(stub) is False
+    assert stub._prefill_graphs is None and stub.prefill_graphs_off.startswith("capture failed: ")
+
+
+def test_buckets_are_checked_against_the_capacity():
+    assert graphs.check_buckets([64, 16, 16, np.int64(32)], 64) == (16, 32, 64)
+    assert graphs.check_buckets([20], 32) == (20,)  # its keys are read up to 32: fits
+    for bad in ([], [0, 16], [16.5], ["16"], [33]):
+        with pytest.raises(ValueError, match="buckets"):
+            graphs.check_buckets(bad, 32)

@@ -28,8 +28,7 @@ from executor.weights import load_weights  # noqa: E402
 from tests.executor.qwen_support import gpu_test_configs  # noqa: E402
 
 CONFIGS = gpu_test_configs()
-BUCKETS = (16, 32, 64, 128)
-CAPACITY = 640
+CAPACITY = 1024
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -39,7 +38,8 @@ def backend(request, tmp_path_factory):
     gpu = NumbaCudaBackend(load_weights(path), slots=8, capacity_rows=CAPACITY)
     assert gpu.prefill_delta == "mma", gpu.delta_failures
     assert gpu.prefill_attention == "flash", gpu.attention_failures
-    assert gpu.enable_prefill_graphs(BUCKETS), gpu.prefill_graphs_off
+    assert gpu.enable_prefill_graphs(), gpu.prefill_graphs_off  # the server's buckets
+    assert gpu.prefill_graphs.buckets == nb_graphs.BUCKETS and not gpu.prefill_graphs.failed
     yield gpu
     gpu.prefill_graphs.close()
 
@@ -61,8 +61,9 @@ def _run(gpu, cuts, ids, graphs: bool, state=None):
 
 
 # chunks of every bucket, padded and full, from row 0, from grid rows, from off-grid rows,
-# and an eager chunk (> the largest bucket) between captured ones
-CUTS = (0, 1, 17, 33, 64, 128, 164, 292, 300, 616)
+# an eager chunk (> the largest bucket) between captured ones, and a last chunk that ends at
+# the capacity: 1, 16, 16, 31, 64, 36, 128, 8, 200, 320 (eager), 204 rows
+CUTS = (0, 1, 17, 33, 64, 128, 164, 292, 300, 500, 820, CAPACITY)
 
 
 def test_graph_chunks_equal_eager(backend):
@@ -71,7 +72,7 @@ def test_graph_chunks_equal_eager(backend):
     eager, want_logits, want_packs = _run(backend, CUTS, ids, graphs=False)
     graph, got_logits, got_packs = _run(backend, CUTS, ids, graphs=True)
     assert eager.slot != graph.slot
-    # every chunk but the 324-row one (no bucket holds it) replayed a graph
+    # every chunk but the 320-row one (no bucket holds it) replayed a graph
     assert backend.prefill_graphs.replays - before == len(CUTS) - 2
     for i, (a, b) in enumerate(zip(CUTS, CUTS[1:])):
         assert np.array_equal(got_logits[i], want_logits[i]), f"logits of rows [{a}, {b})"
@@ -102,7 +103,8 @@ def _cache_rows(gpu, slot):
 
 def _padding_untouched(gpu, fill=None) -> bool:
     """Run a 20-row chunk (bucket 32: 12 padding rows) from row 64 through the graph after
-    writing a sentinel into the slot's cache rows [84, 96); True when they are unchanged."""
+    writing a sentinel into the slot's cache rows [84, 96); True when they are unchanged and
+    no other slot's cache changed either (a slot of -1 must not wrap around to the last)."""
     ids = _prompt(gpu.config, 84, 13)
     state = gpu.new_state()
     try:
@@ -113,6 +115,8 @@ def _padding_untouched(gpu, fill=None) -> bool:
                 host = cache.copy_to_host()
                 host[state.slot, 84:96] = sentinel
                 cache.copy_to_device(host)
+        others = [s for s in range(gpu.pool.keys.shape[1]) if s != state.slot]
+        before = [_cache_rows(gpu, s) for s in others]
         saved = nb_graphs._fill
         if fill is not None:
             nb_graphs._fill = fill
@@ -120,8 +124,11 @@ def _padding_untouched(gpu, fill=None) -> bool:
             gpu.prefill(state, ids, (64, 84))
         finally:
             nb_graphs._fill = saved
-        return all((k[84:96] == sentinel).all() and (v[84:96] == sentinel).all()
-                   for k, v in _cache_rows(gpu, state.slot))
+        after = [_cache_rows(gpu, s) for s in others]
+        others_same = all(np.array_equal(a, b) for x, y in zip(before, after) for pa, pb in zip(x, y)
+                          for a, b in zip(pa, pb))
+        return others_same and all((k[84:96] == sentinel).all() and (v[84:96] == sentinel).all()
+                                   for k, v in _cache_rows(gpu, state.slot))
     finally:
         gpu.release(state)
 
@@ -168,6 +175,6 @@ def test_planted_host_fixed_rows_are_caught(backend):
 
 def test_buckets_and_serves(backend):
     graphs = backend.prefill_graphs
-    assert [graphs.bucket(n) for n in (1, 16, 17, 128, 129)] == [16, 16, 32, 128, None]
-    assert graphs.serves(0, 128) and not graphs.serves(0, 129)
+    assert [graphs.bucket(n) for n in (1, 16, 17, 128, 129, 256, 257)] == [16, 16, 32, 128, 256, 256, None]
+    assert graphs.serves(0, 256) and not graphs.serves(0, 257)
     assert graphs.serves(CAPACITY - 32, CAPACITY) and not graphs.serves(CAPACITY - 31, CAPACITY + 1)
