@@ -347,6 +347,11 @@ def report_json(c: Comparison) -> dict[str, Any]:
                       "first_diff": r.first_diff} for r in c.rows]}
 
 
+BUSY_GAP_S = 0.002
+"""Gaps between one step's end and the next one's start shorter than this count as the
+serving loop's own time (longer ones are idle waits for requests)."""
+
+
 def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     """Where the server's step time went against what the profile charges for the same steps:
     for the `step` records of the server's step file (executor.runtime writes them beside
@@ -356,7 +361,9 @@ def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     seconds for the same steps (prefill: prefill_s(rows, start) + host_s(restored lanes,
     chunk), as sim.loop charges a step; decode: the round at context 0 + host_s(lanes); the
     restores and the keep a step makes show in the server's phases, the simulator adds them by
-    bytes). Empty when there are no step records."""
+    bytes), and the loop's median time between steps while busy (the next step's start,
+    t - ran_s, minus the last one's end) beside the profile's host seconds a step. Empty when
+    there are no step records."""
     steps = [e for e in events if e.get("kind") == "step"]
     if not steps:
         return []
@@ -375,6 +382,13 @@ def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     for e in steps:
         if e["decode"] and not e["prefill_rows"] and not e["restores"]:
             by_lanes.setdefault(e["decode"], []).append(e)
+    ordered = sorted(steps, key=lambda e: e["t"])
+    gaps = [b["t"] - b["ran_s"] - a["t"] for a, b in zip(ordered, ordered[1:])]
+    busy = [g for g in gaps if 0 <= g < BUSY_GAP_S]
+    if busy:
+        lines.append(f"  between steps while busy (gap < {BUSY_GAP_S * 1e3:.0f} ms, {len(busy)}): loop median "
+                     f"{median(busy) * 1e6:.0f} us; the profile's host terms charge {profile.host_s(0, False) * 1e6:.0f} "
+                     f"us a step (step_s, with the steps' worker hand-off)")
     for lanes, group in sorted(by_lanes.items()):
         model = profile.decode_round_s(lanes, [0] * lanes) + profile.host_s(lanes, False)
         lines.append(f"  decode-only steps, {lanes} lanes ({len(group)}): server "

@@ -199,7 +199,14 @@ def test_step_split_against_the_profile(tmp_path):
     assert "2.43x" in lines[1] and "forward 13.00" in lines[1] and "keep 0.50" in lines[1]
     # decode-only, 2 lanes: the profile's round at 2 lanes, context 0 (5 ms + (60-5)/15 ms) + 1 + 2 x 2 ms
     assert lines[2].startswith("  decode-only steps, 2 lanes (1): server 12.00, profile at context 0 13.67")
+    # gaps between steps: 80, 88 and 50 ms: idle waits, no loop line
     assert len(lines) == 3  # the mixed step is in neither
+    busy = [ev("step", 2.0, ran_s=0.002, phases={}, prefill_rows=0, prefill_start=None, restores=0, decode=1),
+            ev("step", 2.0025, ran_s=0.002, phases={}, prefill_rows=0, prefill_start=None, restores=0, decode=1),
+            ev("step", 2.0053, ran_s=0.002, phases={}, prefill_rows=0, prefill_start=None, restores=0, decode=1)]
+    gap = [line for line in step_split_lines(busy, profile) if "between steps" in line]
+    assert gap == ["  between steps while busy (gap < 2 ms, 2): loop median 650 us; the profile's host terms charge "
+                   "1000 us a step (step_s, with the steps' worker hand-off)"]
     assert step_split_lines([ev("chunk_done", 1.0, stream=1)], profile) == []
 
 
