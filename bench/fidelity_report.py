@@ -352,6 +352,14 @@ BUSY_GAP_S = 0.002
 serving loop's own time (longer ones are idle waits for requests)."""
 
 
+def busy_gaps(steps: Iterable[dict[str, Any]]) -> list[float]:
+    """Seconds the serving loop took between consecutive step records while busy: the next
+    step's start (t - ran_s) minus the last one's end (t), where that is in [0, BUSY_GAP_S)."""
+    ordered = sorted((e for e in steps if e.get("kind") == "step"), key=lambda e: e["t"])
+    gaps = [b["t"] - b["ran_s"] - a["t"] for a, b in zip(ordered, ordered[1:])]
+    return [g for g in gaps if 0 <= g < BUSY_GAP_S]
+
+
 def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     """Where the server's step time went against what the profile charges for the same steps:
     for the `step` records of the server's step file (executor.runtime writes them beside
@@ -382,9 +390,7 @@ def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     for e in steps:
         if e["decode"] and not e["prefill_rows"] and not e["restores"]:
             by_lanes.setdefault(e["decode"], []).append(e)
-    ordered = sorted(steps, key=lambda e: e["t"])
-    gaps = [b["t"] - b["ran_s"] - a["t"] for a, b in zip(ordered, ordered[1:])]
-    busy = [g for g in gaps if 0 <= g < BUSY_GAP_S]
+    busy = busy_gaps(steps)
     if busy:
         lines.append(f"  between steps while busy (gap < {BUSY_GAP_S * 1e3:.0f} ms, {len(busy)}): loop median "
                      f"{median(busy) * 1e6:.0f} us; the profile's host terms charge {profile.host_s(0, False) * 1e6:.0f} "

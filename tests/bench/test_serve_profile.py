@@ -1,0 +1,95 @@
+"""bench/serve_profile.py: which step records price which point, the grid's checks, the
+profile it writes, and a whole run against the built-in tiny model's server on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.serve_profile import GRIDS, Served, ServeGrid, decode_steps, main, prefill_steps, to_profile
+from executor.model import tiny_config
+from sim.cost import Curve, Grid, HostCost, Profile, TableCost, load_profile, profile_to_dict
+
+
+def step(ran_s, rows=0, start=None, decode=0, restores=0, t=1.0):
+    return {"kind": "step", "t": t, "ran_s": ran_s, "phases": {}, "prefill_rows": rows, "prefill_start": start,
+            "restores": restores, "decode": decode}
+
+
+def base_profile(path=None) -> Profile:
+    cost = TableCost(prefill=Grid(x=(1.0, 4096.0), y=(0.0, 4096.0), seconds=((0.004, 0.005), (0.4, 0.5))),
+                     decode=Grid(x=(1.0, 16.0), y=(0.0, 4096.0), seconds=((0.005, 0.006), (0.06, 0.07))),
+                     copy_bytes_per_s=1e9, keep=Curve(x=(1.0, 1e9), seconds=(1e-4, 2e-3)),
+                     restore=Curve(x=(1.0, 1e9), seconds=(1e-4, 1e-3)))
+    profile = Profile(name="tiny-base", source="measured", gpu="CPU", model="tiny", shape=tiny_config().shape,
+                      invariant_rows=64, cost=cost)
+    if path is not None:
+        path.write_text(json.dumps(profile_to_dict(profile)))
+    return profile
+
+
+def test_only_pure_steps_price_a_point():
+    steps = [step(0.010, rows=8, start=32), step(0.011, rows=8, start=32, decode=1),  # mixed: neither
+             step(0.012, rows=8, start=0), step(0.013, rows=8, start=32, restores=1),  # other context; a restore
+             step(0.003, decode=2), step(0.004, decode=2, restores=1), step(0.005, decode=1)]
+    assert prefill_steps(steps, 8, 32) == [0.010]
+    assert prefill_steps(steps, 8, 0) == [0.012]
+    assert decode_steps(steps, 2) == [0.003]
+    assert decode_steps(steps, 1) == [0.005]
+
+
+@pytest.mark.parametrize("fields, word", [({"rows": (0, 8)}, "rows"), ({"rows": (8, 64)}, "rows"),
+                                          ({"contexts": (0, 30)}, "contexts"), ({"lanes": (2, 1)}, "lanes"),
+                                          ({"repeat": 0}, "repeat")])
+def test_grid_errors_name_the_field(fields, word):
+    with pytest.raises(ValueError, match=word):
+        ServeGrid(**{"rows": (1, 8), "contexts": (0, 32), "lanes": (1, 2), "chunk_rows": 32, **fields})
+
+
+def test_grid_context_rows_hold_the_longest_request():
+    tiny = GRIDS["tiny"]
+    assert tiny.reply_tokens(2, 32) == 2 * 2 + 6  # two prompts of one chunk each (+1), then 6 rounds
+    assert tiny.context_rows == 32 + 32 + 1
+    full = GRIDS["full"]
+    assert full.reply_tokens(16, 24576) == 16 * 7 + 24
+    assert full.context_rows == 24576 + 4096 + 1 <= 32768  # under the GPU's cap
+
+
+def test_profile_takes_the_server_tables_and_the_base_copies():
+    grid = ServeGrid(rows=(1, 8), contexts=(0, 32), lanes=(1, 2), chunk_rows=32)
+    served = Served(prefill=((0.010, 0.009), (0.012, 0.015)), decode=((0.004, 0.005), (0.006, 0.007)),
+                    step_s=2.5e-4, steps=40)
+    base = base_profile()
+    p = to_profile(served, grid, base, "tiny-served", "python -m bench.serve_profile --test", ["--x"])
+    assert p.cost.prefill.seconds == ((0.010, 0.010), (0.012, 0.015))  # non-decreasing in context
+    assert p.prefill_s(8, 32) == pytest.approx(0.015) and p.decode_round_s(2, [0, 0]) == pytest.approx(0.006)
+    assert p.cost.host == HostCost(step_s=2.5e-4, lane_s=0.0, chunk_s=0.0)
+    assert p.cost.keep == base.cost.keep and p.cost.restore == base.cost.restore and p.shape == base.shape
+    assert p.invariant_rows == 64 and p.source == "measured"
+    assert dict(p.provenance)["base"] == "tiny-base" and dict(p.provenance)["server_args"] == "--x"
+    analytic = load_profile("qwen3.5-2b-h200-roofline")
+    with pytest.raises(ValueError, match="--base"):
+        to_profile(served, grid, analytic, "x", "c", [])
+
+
+def test_a_tiny_server_run_writes_a_profile_the_simulator_loads(tmp_path, capsys):
+    base = tmp_path / "base.json"
+    base_profile(base)
+    out = tmp_path / "sp"
+    assert main(["--grid", "tiny", "--base", str(base), "--out", str(out), "--name", "tiny-served"]) == 0
+    text = capsys.readouterr().out
+    p = load_profile(out / "tiny-served.json")
+    grid = GRIDS["tiny"]
+    assert p.cost.prefill.x == tuple(map(float, grid.rows)) and p.cost.decode.x == tuple(map(float, grid.lanes))
+    assert all(s > 0 for row in p.cost.prefill.seconds for s in row)
+    assert all(s > 0 for row in p.cost.decode.seconds for s in row)
+    assert p.cost.host.step_s > 0 and "loop between steps" in text
+    steps = [json.loads(line) for line in (out / "trace.jsonl.steps.jsonl").read_text().splitlines()]
+    assert dict(p.provenance)["steps"] == str(len(steps) - 1)  # all but the untimed first request's step
+
+
+def test_cli_errors_name_the_flag(tmp_path, capsys):
+    assert main(["--base", "qwen3.5-2b-h200-roofline", "--out", str(tmp_path), "--name", "x"]) == 2
+    assert "--base" in capsys.readouterr().err
+    assert main(["--base", str(tmp_path / "missing.json"), "--out", str(tmp_path), "--name", "x"]) == 2
