@@ -4,8 +4,9 @@ not the backend's calls alone).
 Why: bench/profile.py times the backend's calls in-process and adds host terms measured on a
 backend that costs nothing; on the H200 a 2B server's steps still took 1.1-1.3x what that
 profile charges (the worker hand-off, the loop's time between steps, keeps under the GIL
-the loop shares), and a replay of the same run with the server's own step costs brought the
-simulator's TTFT error from 22.9% to 10.0% (bench/RESULTS.md, session 10).
+the loop shares), and a replay of the same run with the server's own step costs (a what-if
+fitted to that run) brought the simulator's TTFT error from 22.9% to 10.0% (bench/RESULTS.md,
+session 10).
 
 How: start `python -m executor.serve ARGS --prompt-cache-gib 0 --trace DIR/trace.jsonl` with a
 policy whose marks and chunks are `chunk_rows` apart, and read the step file it writes beside
@@ -18,12 +19,19 @@ the trace (`trace.jsonl.steps.jsonl`: each step's seconds in the backend worker,
   `reply_tokens(L, C)` tokens out (enough that the first reply still decodes when the last
   prompt is in: each step that prefills a chunk also decodes the lanes already in); the
   median ran_s of the steps that decoded exactly L lanes and did nothing else.
-- host: step_s is the loop's median time between steps while busy (the next step's start
-  minus the last one's end, under bench.fidelity_report.BUSY_GAP_S); lane_s and chunk_s are
-  0, since ran_s already holds the worker's per-lane and per-chunk work.
+- host: a step's hand-off (its ran_s beyond its phases: to the worker and back, median) is
+  taken out of every table point and charged once a step, since the simulator prices a step
+  that runs a chunk and decode lanes as the sum of both points plus the host terms; the
+  loop's time between steps while busy (the next step's start minus the last one's end,
+  under bench.fidelity_report.BUSY_GAP_S, within one request batch so a client's round trip
+  never counts) is fitted by what the step before it ran: a line over the decode lanes
+  (lane_s, and its intercept plus the hand-off as step_s), and the median excess after a
+  prefill-only step (chunk_s).
 - keep, restore, copy_bytes_per_s, shape and invariant_rows come from a base profile
   (--base: with the cache off the server keeps nothing); bench/profile.py measures those.
-Tables are made non-decreasing (bench.profile.monotone), as bench/profile.py's are.
+Before timing, one untimed request of each row count and one short reply (kernels and GEMM
+algorithms are picked per shape on first use). Tables are made non-decreasing
+(bench.profile.monotone), as bench/profile.py's are.
 
 Usage (GPU): python -m bench.serve_profile --server-args "--random-weights qwen3.5-2b" \\
                  --base qwen3.5-2b-h200 --name qwen3.5-2b-h200-served --out sim/profiles
@@ -48,7 +56,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from bench.fidelity_report import busy_gaps
+from bench.fidelity_report import BUSY_GAP_S
 from bench.profile import monotone
 from executor.server_process import start_server, stop_server
 from policy.config import format_policy, policy_from_dict
@@ -151,15 +159,54 @@ class Client:
             raise RuntimeError(f"/v1/completions answered {exc.code}: {exc.read()[:300]!r}") from None
 
 
+def handoff_s(steps: Sequence[dict[str, Any]]) -> float:
+    """Median seconds of a step beyond its phases (ran_s - sum of phases: the hand-off to the
+    worker and back), at least 0; 0 without steps."""
+    extra = [s["ran_s"] - sum(s["phases"].values()) for s in steps]
+    return max(0.0, float(np.median(extra))) if extra else 0.0
+
+
+def host_terms(batches: Sequence[Sequence[dict[str, Any]]], handoff: float) -> HostCost:
+    """The serving loop's host seconds as the simulator charges them (module docstring):
+    gaps between consecutive steps of one batch, each credited to the step before it; a
+    least-squares line over the decode lanes of decode-only steps (the median gap per lane
+    count) gives lane_s and an intercept, step_s = intercept + handoff, and chunk_s is the
+    median gap after a prefill-only step beyond the intercept. Negative fits become 0."""
+    after_decode: dict[int, list[float]] = {}
+    after_chunk: list[float] = []
+    for batch in batches:
+        for a, b in zip(batch, batch[1:]):
+            gap = b["t"] - b["ran_s"] - a["t"]
+            if not 0 <= gap < BUSY_GAP_S or a["restores"]:
+                continue
+            if a["decode"] and not a["prefill_rows"]:
+                after_decode.setdefault(a["decode"], []).append(gap)
+            elif a["prefill_rows"] and not a["decode"]:
+                after_chunk.append(gap)
+    points = sorted((lanes, float(np.median(g))) for lanes, g in after_decode.items())
+    if len(points) >= 2:
+        slope, intercept = np.polyfit([x for x, _ in points], [y for _, y in points], 1)
+    elif points:
+        slope, intercept = 0.0, points[0][1]
+    else:
+        slope, intercept = 0.0, float(np.median(after_chunk)) if after_chunk else 0.0
+    lane_s, base = max(0.0, float(slope)), max(0.0, float(intercept))
+    if len(points) == 1:  # one lane count: its gap is the step's plus its lanes', unsplit
+        lane_s = 0.0
+    chunk_s = max(0.0, float(np.median(after_chunk)) - base) if after_chunk and points else 0.0
+    return HostCost(step_s=base + handoff, lane_s=lane_s, chunk_s=chunk_s)
+
+
 @attrs.frozen(kw_only=True)
 class Served:
     """What a server measured: prefill[i][j] at (rows[i], contexts[j]), decode[i][j] at
-    (lanes[i], contexts[j]) (median seconds, not yet non-decreasing), step_s (the loop's
-    median time between steps while busy; None when no gap was seen), steps (records used)."""
+    (lanes[i], contexts[j]) (median seconds without the hand-off, not yet non-decreasing),
+    host (the loop's terms, `host_terms`), handoff_s, steps (records used)."""
 
     prefill: tuple[tuple[float, ...], ...]
     decode: tuple[tuple[float, ...], ...]
-    step_s: float | None
+    host: HostCost
+    handoff_s: float
     steps: int
 
 
@@ -176,42 +223,52 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
         out, seen = steps[seen:], len(steps)
         return out
 
-    client.complete(ids(grid.rows[0]), 1)  # a first request: anything lazy happens here, untimed
+    # untimed: a chunk of every row count (kernels, GEMM algorithms per shape) and a decode round
+    for rows in grid.rows:
+        client.complete(ids(rows), 1)
+    client.complete(ids(1), 3)
     new_steps()
-    used: list[dict[str, Any]] = []
-    prefill = []
+    batches: list[list[dict[str, Any]]] = []
+    prefill_raw = []
     for rows in grid.rows:
         line = []
         for ctx in grid.contexts:
-            times = []
             for _ in range(grid.repeat):
                 client.complete(ids(ctx + rows), 1)
-                got = new_steps()
-                used += got
-                times += prefill_steps(got, rows, ctx)
-            if not times:
-                raise RuntimeError(f"no prefill step of {rows} rows at context {ctx} in {steps_path}")
-            line.append(float(np.median(times)))
-        prefill.append(tuple(line))
-        log(f"  prefill {rows:>5} rows: " + " ".join(f"{s * 1e3:8.2f}" for s in line) + " ms")
-    decode = []
+                batches.append(new_steps())
+            line.append((rows, ctx, len(batches) - grid.repeat))
+        prefill_raw.append(line)
+    decode_raw = []
     with concurrent.futures.ThreadPoolExecutor(max(grid.lanes)) as pool:
         for lanes in grid.lanes:
             line = []
             for ctx in grid.contexts:
-                prompts = [ids(max(ctx, 1)) for _ in range(lanes)]
                 tokens = grid.reply_tokens(lanes, ctx)
-                list(pool.map(lambda p: client.complete(p, tokens), prompts))
-                got = new_steps()
-                used += got
-                times = decode_steps(got, lanes)
-                if not times:
-                    raise RuntimeError(f"no decode step of {lanes} lanes at context {ctx} in {steps_path}")
-                line.append(float(np.median(times)))
-            decode.append(tuple(line))
-            log(f"  decode  {lanes:>2} lanes: " + " ".join(f"{s * 1e3:8.2f}" for s in line) + " ms")
-    gaps = busy_gaps(used)
-    return Served(prefill=tuple(prefill), decode=tuple(decode), step_s=float(np.median(gaps)) if gaps else None,
+                for _ in range(2):  # a second try when the replies did not overlap (requests arrive as they may)
+                    list(pool.map(lambda p: client.complete(p, tokens), [ids(max(ctx, 1)) for _ in range(lanes)]))
+                    batches.append(new_steps())
+                    if decode_steps(batches[-1], lanes):
+                        break
+                line.append((lanes, ctx, len(batches) - 1))
+            decode_raw.append(line)
+    used = [s for batch in batches for s in batch]
+    handoff = handoff_s(used)
+
+    def point(select, first: int, count: int, label: str) -> float:
+        times = [t - handoff for batch in batches[first:first + count] for t in select(batch)]
+        if not times:
+            raise RuntimeError(f"no {label} in {steps_path}")
+        return float(np.median(times))
+
+    prefill = tuple(tuple(point(lambda b, r=r, c=c: prefill_steps(b, r, c), i, grid.repeat,
+                                f"prefill step of {r} rows at context {c}") for r, c, i in line)
+                    for line in prefill_raw)
+    decode = tuple(tuple(point(lambda b, n=n: decode_steps(b, n), i, 1, f"decode step of {n} lanes at context {c}")
+                         for n, c, i in line) for line in decode_raw)
+    for name, values, table in (("prefill", grid.rows, prefill), ("decode", grid.lanes, decode)):
+        for v, line in zip(values, table):
+            log(f"  {name} {v:>5}: " + " ".join(f"{s * 1e3:8.2f}" for s in line) + " ms")
+    return Served(prefill=prefill, decode=decode, host=host_terms(batches, handoff), handoff_s=handoff,
                   steps=len(used))
 
 
@@ -223,13 +280,12 @@ def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, comman
     if not isinstance(base.cost, TableCost):
         raise ValueError(f"--base {base.name}: needs a measured (table) profile for its keep and restore curves")
     rows, ctx, lanes = (tuple(map(float, v)) for v in (grid.rows, grid.contexts, grid.lanes))
-    host = HostCost(step_s=served.step_s or 0.0, lane_s=0.0, chunk_s=0.0)
     cost = attrs.evolve(base.cost, prefill=Grid(x=rows, y=ctx, seconds=monotone(served.prefill)),
-                        decode=Grid(x=lanes, y=ctx, seconds=monotone(served.decode)), host=host)
-    notes = (f"measured through the server's steps by bench/serve_profile.py (ran_s of its step file, median of "
-             f"{grid.repeat} requests a prefill point; decode: steps of exactly L lanes), tables made "
-             f"non-decreasing; host: the loop's median time between steps while busy; keep, restore, copy rate: "
-             f"from {base.name}")
+                        decode=Grid(x=lanes, y=ctx, seconds=monotone(served.decode)), host=served.host)
+    notes = (f"measured through the server's steps by bench/serve_profile.py (ran_s of its step file less the "
+             f"median hand-off, {served.handoff_s * 1e6:.0f} us; median of {grid.repeat} requests a prefill point; "
+             f"decode: steps of exactly L lanes), tables made non-decreasing; host: the hand-off plus the loop's "
+             f"time between busy steps, fitted over lanes and chunks; keep, restore, copy rate: from {base.name}")
     provenance = (("backend", "server"), ("command", command), ("server_args", " ".join(server_args)),
                   ("commit", git_commit()), ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
                   ("base", base.name), ("steps", str(served.steps)))
@@ -248,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=900.0, help="server start limit (default: 900)")
     args = ap.parse_args(argv)
     try:
-        base = load_profile(args.base)
+        try:
+            base = load_profile(args.base)
+        except (ValueError, OSError, KeyError) as exc:
+            raise ValueError(f"--base: {exc}") from None
         grid = GRIDS[args.grid]
         if not isinstance(base.cost, TableCost):
             raise ValueError(f"--base {base.name}: needs a measured (table) profile for its keep and restore curves")
@@ -264,8 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "--context", str(grid.context_rows), "--trace", str(trace)]
     command = " ".join(["python -m bench.serve_profile", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
-    proc, url, _ = start_server(server_args, args.out / "server.log", args.timeout_s)
+    proc = None
     try:
+        proc, url, _ = start_server(server_args, args.out / "server.log", args.timeout_s)
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
             model = json.loads(resp.read())["data"][0]["id"]
         print(f"{args.name}: server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -274,12 +334,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_server(proc, 30.0)
+        if proc is not None:
+            stop_server(proc, 30.0)
     profile = to_profile(served, grid, base, args.name, command, server_args)
     path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
-    step = "none seen" if served.step_s is None else f"{served.step_s * 1e6:.0f} us"
-    print(f"{args.name}: {served.steps} steps; loop between steps {step}; wrote {path} "
+    h = served.host
+    print(f"{args.name}: {served.steps} steps; hand-off {served.handoff_s * 1e6:.0f} us; host {h.step_s * 1e6:.0f} us "
+          f"a step + {h.lane_s * 1e6:.1f} us a lane + {h.chunk_s * 1e6:.0f} us a chunk; wrote {path} "
           f"({time.perf_counter() - t0:.1f} s in all)", flush=True)
     return 0
 

@@ -7,14 +7,24 @@ import json
 
 import pytest
 
-from bench.serve_profile import GRIDS, Served, ServeGrid, decode_steps, main, prefill_steps, to_profile
+from bench.serve_profile import (
+    GRIDS,
+    Served,
+    ServeGrid,
+    decode_steps,
+    handoff_s,
+    host_terms,
+    main,
+    prefill_steps,
+    to_profile,
+)
 from executor.model import tiny_config
 from sim.cost import Curve, Grid, HostCost, Profile, TableCost, load_profile, profile_to_dict
 
 
-def step(ran_s, rows=0, start=None, decode=0, restores=0, t=1.0):
-    return {"kind": "step", "t": t, "ran_s": ran_s, "phases": {}, "prefill_rows": rows, "prefill_start": start,
-            "restores": restores, "decode": decode}
+def step(ran_s, rows=0, start=None, decode=0, restores=0, t=1.0, phases=None):
+    return {"kind": "step", "t": t, "ran_s": ran_s, "phases": phases or {}, "prefill_rows": rows,
+            "prefill_start": start, "restores": restores, "decode": decode}
 
 
 def base_profile(path=None) -> Profile:
@@ -39,6 +49,35 @@ def test_only_pure_steps_price_a_point():
     assert decode_steps(steps, 1) == [0.005]
 
 
+def test_handoff_is_the_median_time_beyond_the_phases():
+    steps = [step(0.010, phases={"forward": 0.009}), step(0.005, phases={"decode": 0.0045}),
+             step(0.004, phases={"decode": 0.0036})]
+    assert handoff_s(steps) == pytest.approx(0.0005)  # of 1.0, 0.5 and 0.4 ms
+    assert handoff_s([]) == 0.0
+    assert handoff_s([step(0.001, phases={"forward": 0.002})]) == 0.0  # never negative
+
+
+def test_host_terms_fit_the_gaps_by_what_ran_before_them():
+    """Gaps after decode-only steps: 300 us + 20 us a lane; after a prefill-only step 450 us:
+    step_s = 300 us + the hand-off, lane_s = 20 us, chunk_s = 150 us. A gap across batches
+    (a client's round trip) and one past BUSY_GAP_S are not the loop's."""
+    def chain(kinds, gaps, t0=1.0):
+        out, t = [], t0
+        for (rows, lanes), gap in zip(kinds, gaps + [0.0]):
+            out.append(step(0.004, rows=rows, start=0 if rows else None, decode=lanes, t=t))
+            t += gap + 0.004
+        return out
+
+    lanes_2 = chain([(0, 2), (0, 2), (8, 0), (0, 2)], [0.00034, 0.00034, 0.00045])
+    lanes_4 = chain([(0, 4), (0, 4), (0, 4)], [0.00038, 0.5])  # the second gap is idle
+    host = host_terms([lanes_2, lanes_4, chain([(0, 1)], [])], handoff=0.0001)
+    assert host.lane_s == pytest.approx(2e-5) and host.step_s == pytest.approx(3e-4 + 1e-4)
+    assert host.chunk_s == pytest.approx(1.5e-4)
+    # one lane count only: no slope to fit, its gap is the step's
+    assert host_terms([chain([(0, 3), (0, 3)], [0.0005])], 0.0).step_s == pytest.approx(5e-4)
+    assert host_terms([], 0.0).step_s == 0.0
+
+
 @pytest.mark.parametrize("fields, word", [({"rows": (0, 8)}, "rows"), ({"rows": (8, 64)}, "rows"),
                                           ({"contexts": (0, 30)}, "contexts"), ({"lanes": (2, 1)}, "lanes"),
                                           ({"repeat": 0}, "repeat")])
@@ -59,12 +98,13 @@ def test_grid_context_rows_hold_the_longest_request():
 def test_profile_takes_the_server_tables_and_the_base_copies():
     grid = ServeGrid(rows=(1, 8), contexts=(0, 32), lanes=(1, 2), chunk_rows=32)
     served = Served(prefill=((0.010, 0.009), (0.012, 0.015)), decode=((0.004, 0.005), (0.006, 0.007)),
-                    step_s=2.5e-4, steps=40)
+                    host=HostCost(step_s=2.5e-4, lane_s=1e-5, chunk_s=2e-4), handoff_s=1e-4, steps=40)
     base = base_profile()
     p = to_profile(served, grid, base, "tiny-served", "python -m bench.serve_profile --test", ["--x"])
     assert p.cost.prefill.seconds == ((0.010, 0.010), (0.012, 0.015))  # non-decreasing in context
     assert p.prefill_s(8, 32) == pytest.approx(0.015) and p.decode_round_s(2, [0, 0]) == pytest.approx(0.006)
-    assert p.cost.host == HostCost(step_s=2.5e-4, lane_s=0.0, chunk_s=0.0)
+    assert p.cost.host == HostCost(step_s=2.5e-4, lane_s=1e-5, chunk_s=2e-4)
+    assert "hand-off, 100 us" in p.notes
     assert p.cost.keep == base.cost.keep and p.cost.restore == base.cost.restore and p.shape == base.shape
     assert p.invariant_rows == 64 and p.source == "measured"
     assert dict(p.provenance)["base"] == "tiny-base" and dict(p.provenance)["server_args"] == "--x"
@@ -77,19 +117,22 @@ def test_a_tiny_server_run_writes_a_profile_the_simulator_loads(tmp_path, capsys
     base = tmp_path / "base.json"
     base_profile(base)
     out = tmp_path / "sp"
-    assert main(["--grid", "tiny", "--base", str(base), "--out", str(out), "--name", "tiny-served"]) == 0
+    assert main(["--grid", "tiny", "--base", str(base), "--out", str(out), "--name", "tiny-served",
+                 "--timeout-s", "120"]) == 0
     text = capsys.readouterr().out
     p = load_profile(out / "tiny-served.json")
     grid = GRIDS["tiny"]
     assert p.cost.prefill.x == tuple(map(float, grid.rows)) and p.cost.decode.x == tuple(map(float, grid.lanes))
     assert all(s > 0 for row in p.cost.prefill.seconds for s in row)
     assert all(s > 0 for row in p.cost.decode.seconds for s in row)
-    assert p.cost.host.step_s > 0 and "loop between steps" in text
+    assert p.cost.host.step_s > 0 and "hand-off" in text
     steps = [json.loads(line) for line in (out / "trace.jsonl.steps.jsonl").read_text().splitlines()]
-    assert dict(p.provenance)["steps"] == str(len(steps) - 1)  # all but the untimed first request's step
+    # all but the untimed warm-up: a chunk of each row count, then a 1-row prompt's 3 tokens (a chunk, 2 rounds)
+    assert dict(p.provenance)["steps"] == str(len(steps) - len(GRIDS["tiny"].rows) - 3)
 
 
 def test_cli_errors_name_the_flag(tmp_path, capsys):
     assert main(["--base", "qwen3.5-2b-h200-roofline", "--out", str(tmp_path), "--name", "x"]) == 2
     assert "--base" in capsys.readouterr().err
     assert main(["--base", str(tmp_path / "missing.json"), "--out", str(tmp_path), "--name", "x"]) == 2
+    assert "--base" in capsys.readouterr().err
