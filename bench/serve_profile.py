@@ -1,5 +1,6 @@
-"""Measure a simulator profile through the real server's own steps (the serving loop's costs,
-not the backend's calls alone).
+"""Measure a simulator profile through the real server's own steps.
+
+What the serving loop costs, not the backend's calls alone.
 
 Why: bench/profile.py times the backend's calls in-process and adds host terms measured on a
 backend that costs nothing; on the H200 a 2B server's steps still took 1.1-1.3x what that
