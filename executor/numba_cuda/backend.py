@@ -58,6 +58,16 @@ PREFILL_DELTA_ENV = "WARMSTATE_PREFILL_DELTA"
 """Environment variable that forces one of PREFILL_DELTA_PATHS (A/B benchmarks)."""
 
 
+def _check_path_change(what: str, paths: Sequence[str], current: str | None, path: str, fixed: bool) -> None:
+    """Raise ValueError when `path` is not one of `paths`, or differs from `current` once the
+    path is `fixed` (a prefill ran: its states would not match the new path bit for bit)."""
+    if path not in paths:
+        raise ValueError(f"{what} {path!r} is not one of {paths}")
+    if fixed and path != current:
+        raise ValueError(f"{what} is {current!r} and a prefill ran: states already computed would not match "
+                         f"{path!r} bit for bit")
+
+
 def _i32(values) -> object:
     return to_device(np.asarray(values, dtype=np.int32))
 
@@ -125,15 +135,14 @@ class NumbaCudaBackend:
         slot on the device); returns False, leaving prefill eager with the reason in
         `prefill_graphs_off`, on a backend that runs another path, when no bucket fits, or
         when no capture succeeds."""
-        from executor.numba_cuda.attention_flash import BLOCK_KEYS
-        from executor.numba_cuda.graphs import BUCKETS, PrefillGraphs
+        from executor.numba_cuda.graphs import BUCKETS, PrefillGraphs, keys_fit
 
         if self._delta_path() != "mma" or self._prefill_path() != "flash":
             self.prefill_graphs_off = f"prefill paths delta {self._delta_path()}, attention {self._prefill_path()}"
             log.info("prefill_graphs_off", reason=self.prefill_graphs_off)
             return False
         capacity = self.pool.capacity_rows
-        buckets = [b for b in (BUCKETS if buckets is None else buckets) if -(-b // BLOCK_KEYS) * BLOCK_KEYS <= capacity]
+        buckets = [b for b in (BUCKETS if buckets is None else buckets) if keys_fit(b, capacity)]
         if not buckets:
             self.prefill_graphs_off = f"no bucket fits the capacity of {capacity} rows"
             log.info("prefill_graphs_off", reason=self.prefill_graphs_off)
@@ -206,11 +215,8 @@ class NumbaCudaBackend:
         """Choose the prefill attention path (see `prefill_attention`). Raises ValueError for
         an unknown path, one that cannot run here, or a change after a prefill ran unless
         after_prefill (benchmarks only: states already computed keep the old path's bits)."""
-        if path not in PREFILL_ATTENTION_PATHS:
-            raise ValueError(f"prefill attention {path!r} is not one of {PREFILL_ATTENTION_PATHS}")
-        if self._prefilled and path != self._prefill_attention and not after_prefill:
-            raise ValueError(f"prefill attention is {self._prefill_attention!r} and a prefill ran: states already "
-                             f"computed would not match {path!r} bit for bit")
+        _check_path_change("prefill attention", PREFILL_ATTENTION_PATHS, self._prefill_attention, path,
+                           self._prefilled and not after_prefill)
         if path == "matrix" and not self.matrix_attention.ready(self.config.head_dim):
             raise ValueError(f"matrix prefill attention is unavailable: {self.matrix_attention.failure}")
         if path == "flash":
@@ -263,11 +269,8 @@ class NumbaCudaBackend:
         """Choose the prefill delta-rule path (see `prefill_delta`). Raises ValueError for an
         unknown path, one that cannot run here, or a change after a prefill ran unless
         after_prefill (benchmarks only: states already computed keep the old path's bits)."""
-        if path not in PREFILL_DELTA_PATHS:
-            raise ValueError(f"prefill delta rule {path!r} is not one of {PREFILL_DELTA_PATHS}")
-        if self._prefilled and path != self._prefill_delta and not after_prefill:
-            raise ValueError(f"prefill delta rule is {self._prefill_delta!r} and a prefill ran: states already "
-                             f"computed would not match {path!r} bit for bit")
+        _check_path_change("prefill delta rule", PREFILL_DELTA_PATHS, self._prefill_delta, path,
+                           self._prefilled and not after_prefill)
         if path == "mma":
             why = self._delta_mma_failure()
             if why is not None:

@@ -49,6 +49,7 @@ import attrs
 import numpy as np
 from numba import cuda
 
+from executor.numba_cuda.attention_flash import BLOCK_KEYS
 from executor.numba_cuda.device import DevicePool, StepBuffers, to_device, using_pool
 
 try:
@@ -227,12 +228,8 @@ class PrefillGraphs:
 
     def serves(self, start: int, end: int) -> bool:
         """Whether rows [start, end) run here: a bucket holds them, and the attention's key
-        blocks past `end` (read up to the next multiple of BLOCK_KEYS) fit the capacity, as
-        the eager path requires."""
-        from executor.numba_cuda.attention_flash import BLOCK_KEYS
-
-        capacity = self.backend.pool.capacity_rows
-        return self.bucket(end - start) is not None and -(-end // BLOCK_KEYS) * BLOCK_KEYS <= capacity
+        blocks past `end` fit the capacity (`keys_fit`), as the eager path requires."""
+        return self.bucket(end - start) is not None and keys_fit(end, self.backend.pool.capacity_rows)
 
     def prefill(self, slot: int, ids: np.ndarray, start: int, end: int) -> np.ndarray:
         """Run rows [start, end) of the stream in `slot` (token ids `ids`, checked by the
@@ -319,18 +316,21 @@ class PrefillGraphs:
         self.pool.release()
 
 
-def check_buckets(buckets: Sequence[int], capacity: int) -> tuple[int, ...]:
-    """`buckets` as a sorted tuple of distinct ints, each in [1, capacity] with its key blocks
-    (rounded up to BLOCK_KEYS, as the fused attention reads them) within the capacity.
-    Raises ValueError naming `buckets`."""
-    from executor.numba_cuda.attention_flash import BLOCK_KEYS
+def keys_fit(end: int, capacity: int) -> bool:
+    """Whether the keys the fused attention reads for rows up to `end` (whole blocks of
+    BLOCK_KEYS from key 0) lie within a slot of `capacity` rows."""
+    return -(-end // BLOCK_KEYS) * BLOCK_KEYS <= capacity
 
+
+def check_buckets(buckets: Sequence[int], capacity: int) -> tuple[int, ...]:
+    """`buckets` as a sorted tuple of distinct ints, each at least 1 with its key blocks
+    within the capacity (`keys_fit`). Raises ValueError naming `buckets`."""
     try:
         values = [operator.index(b) for b in buckets]
     except TypeError:
         raise ValueError(f"buckets {buckets!r} must be row counts (ints)") from None
     out = tuple(sorted(set(values)))
-    if not out or out[0] < 1 or -(-out[-1] // BLOCK_KEYS) * BLOCK_KEYS > capacity:
+    if not out or out[0] < 1 or not keys_fit(out[-1], capacity):
         raise ValueError(f"buckets {out} must be row counts >= 1 whose key blocks of {BLOCK_KEYS} fit the "
                          f"capacity of {capacity} rows")
     return out

@@ -16,7 +16,7 @@ import pytest
 from executor.numba_cuda import delta_chunked, delta_mma, delta_rule
 from executor.numba_cuda.device import IS_SIMULATOR, poisoned, to_device
 from executor.reference import ops
-from tests.executor.numba_cuda.kernel_support import delta_inputs, host, rng
+from tests.executor.numba_cuda.kernel_support import assert_grid_invariant, delta_inputs, host, rng
 from tests.helpers import assert_close
 
 V0 = 3  # v starts at this column of `mixed` (the kernel must honour the offset)
@@ -101,13 +101,8 @@ def test_delta_chunked_is_bit_identical_on_the_64_row_grid(start_row, rows, chun
     r = rng()
     inputs = delta_inputs(r, rows, 1, 1, 8, 8)
     state0 = (r.normal(size=(1, 1, 8, 8)) * 0.3).astype(np.float32)
-    states = to_device(state0)
-    whole = _chunked(inputs, states, 0, start_row, [0, rows])
-    final = states.copy_to_host()
-    for cuts in chunkings:
-        states = to_device(state0)
-        np.testing.assert_array_equal(_chunked(inputs, states, 0, start_row, cuts), whole)
-        np.testing.assert_array_equal(states.copy_to_host(), final)
+    assert_grid_invariant(lambda states, start, cuts: _chunked(inputs, states, 0, start, cuts), to_device, state0,
+                          start_row, rows, chunkings)
 
 
 def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):

@@ -49,3 +49,17 @@ def host(array) -> np.ndarray:
     if values.dtype.kind == "f":
         assert np.isfinite(values).all(), f"{np.count_nonzero(~np.isfinite(values))} elements unwritten or non-finite"
     return out
+
+
+def assert_grid_invariant(run, to_device, state0: np.ndarray, start_row: int, rows: int, chunkings) -> None:
+    """A delta rule's output and final state from rows [0, rows) in one chunk equal those from
+    each of `chunkings` (cut lists from 0 to rows), bit for bit. run(states, start_row, cuts):
+    the output of the cut chunks on a device state (advanced in place); to_device: the upload
+    the caller's runtime uses; state0: the host state the runs start from."""
+    states = to_device(state0)
+    whole = run(states, start_row, [0, rows])
+    final = states.copy_to_host()
+    for cuts in chunkings:
+        states = to_device(state0)
+        np.testing.assert_array_equal(run(states, start_row, cuts), whole, err_msg=str(cuts))
+        np.testing.assert_array_equal(states.copy_to_host(), final, err_msg=str(cuts))

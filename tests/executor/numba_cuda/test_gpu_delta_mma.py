@@ -24,7 +24,7 @@ if not is_gpu_available():
 from executor.numba_cuda import delta_chunked, delta_mma  # noqa: E402
 from executor.numba_cuda.device import poisoned, to_device  # noqa: E402
 from executor.reference import ops  # noqa: E402
-from tests.executor.numba_cuda.kernel_support import delta_inputs, host, rng  # noqa: E402
+from tests.executor.numba_cuda.kernel_support import assert_grid_invariant, delta_inputs, host, rng  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
 V0 = 4  # v starts at this column of `mixed` (16-byte rows: a multiple of 4)
@@ -102,13 +102,8 @@ def test_delta_mma_is_bit_identical_on_the_64_row_grid(start_row, rows, chunking
     r = rng()
     inputs = delta_inputs(r, rows, 2, 6, 128, 128)
     state0 = (r.normal(size=(1, 6, 128, 128)) * 0.3).astype(np.float32)
-    states = to_device(state0)
-    whole = _mma(inputs, states, 0, start_row, [0, rows])
-    final = states.copy_to_host()
-    for cuts in chunkings:
-        states = to_device(state0)
-        np.testing.assert_array_equal(_mma(inputs, states, 0, start_row, cuts), whole, err_msg=str(cuts))
-        np.testing.assert_array_equal(states.copy_to_host(), final, err_msg=str(cuts))
+    assert_grid_invariant(lambda states, start, cuts: _mma(inputs, states, 0, start, cuts), to_device, state0,
+                          start_row, rows, chunkings)
 
 
 def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
