@@ -9,13 +9,19 @@ the loop shares), and a replay of the same run with the server's own step costs 
 fitted to that run) brought the simulator's TTFT error from 22.9% to 10.0% (bench/RESULTS.md,
 session 10).
 
-How: start `python -m executor.serve ARGS --prompt-cache-gib 0 --trace DIR/trace.jsonl` with a
-policy whose marks and chunks are `chunk_rows` apart, and read the step file it writes beside
-the trace (`trace.jsonl.steps.jsonl`: each step's seconds in the backend worker, `ran_s`):
-- prefill (R rows after C rows): one request at a time, a prompt of C + R random token ids,
-  one token out. C is a multiple of chunk_rows and R at most chunk_rows, so the prompt's last
-  chunk is exactly [C, C + R), its logits read, as the simulator's prefill_s prices it; its
-  step's ran_s (median over `repeat` requests).
+How: start `python -m executor.serve ARGS --trace DIR/trace.jsonl` with a policy whose marks
+and chunks are `chunk_rows` apart, and read the step file it writes beside the trace
+(`trace.jsonl.steps.jsonl`: each step's seconds in the backend worker, `ran_s`, and its phases):
+- prefill (R rows after C rows): one request at a time, one token out. C = 0: a prompt of R
+  random token ids. C > 0: first a prompt of C + 1 random ids (untimed; it keeps its state at
+  the mark C), then prompts of those C ids plus R new ones, which resume at C
+  (`cached_tokens` == C is checked) and run exactly the chunk [C, C + R) with its logits read,
+  as the simulator's prefill_s prices it. Its step's ran_s less the step's restore and keep
+  phases (the simulator charges those from the base profile), median over `repeat`
+  requests. Why not a cold prompt of C + R rows: its chunk [C, C + R) would follow a chunk
+  that reads no logits, whose step returns once its kernels are queued, so the step after
+  it also waits out the earlier chunk's device time (2B: 30 ms instead of ~6 ms for one row
+  after 4096; bench/RESULTS.md, session 11).
 - decode (L lanes, C rows each): L concurrent requests with prompts of C rows and
   `reply_tokens(L, C)` tokens out (enough that the first reply still decodes when the last
   prompt is in: each step that prefills a chunk also decodes the lanes already in); the
@@ -29,7 +35,10 @@ the trace (`trace.jsonl.steps.jsonl`: each step's seconds in the backend worker,
   (lane_s, and its intercept plus the hand-off as step_s), and the median excess after a
   prefill-only step (chunk_s).
 - keep, restore, copy_bytes_per_s, shape and invariant_rows come from a base profile
-  (--base: with the cache off the server keeps nothing); bench/profile.py measures those.
+  (--base: bench/profile.py measures those in-process). Not from this server's own keeps:
+  its grid's keeps took 2.9x the base curve, the fidelity workload's 1.4x at the same bytes
+  (allocation and idle-then-busy patterns differ), so they do not carry over
+  (bench/RESULTS.md, session 11).
 Before timing, one untimed request of each row count and one short reply (kernels and GEMM
 algorithms are picked per shape on first use). Tables are made non-decreasing
 (bench.profile.monotone), as bench/profile.py's are.
@@ -129,11 +138,15 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+PRICED_APART = ("restore", "keep")
+"""Step phases the simulator charges from the base profile's curves, not the prefill table."""
+
+
 def prefill_steps(steps: Sequence[dict[str, Any]], rows: int, context: int) -> list[float]:
-    """ran_s of the steps that ran exactly a chunk of `rows` rows from row `context` and
-    nothing else (no decode lane, no restore)."""
-    return [s["ran_s"] for s in steps if s["prefill_rows"] == rows and s["prefill_start"] == context
-            and not s["decode"] and not s["restores"]]
+    """ran_s less the PRICED_APART phases of the steps that ran exactly a chunk of `rows` rows
+    from row `context` and nothing else (no decode lane, no full-hit restore)."""
+    return [s["ran_s"] - sum(s["phases"].get(p, 0.0) for p in PRICED_APART) for s in steps
+            if s["prefill_rows"] == rows and s["prefill_start"] == context and not s["decode"] and not s["restores"]]
 
 
 def decode_steps(steps: Sequence[dict[str, Any]], lanes: int) -> list[float]:
@@ -230,15 +243,21 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
     client.complete(ids(1), 3)
     new_steps()
     batches: list[list[dict[str, Any]]] = []
-    prefill_raw = []
-    for rows in grid.rows:
-        line = []
-        for ctx in grid.contexts:
+    prefill_raw: list[list[tuple[int, int, int]]] = [[] for _ in grid.rows]
+    for ctx in grid.contexts:
+        prefix = ids(ctx)
+        if ctx:  # untimed: keeps the state at the mark ctx (the extra row puts the mark inside the prompt)
+            client.complete(prefix + ids(1), 1)
+            new_steps()
+        for i, rows in enumerate(grid.rows):
             for _ in range(grid.repeat):
-                client.complete(ids(ctx + rows), 1)
+                reply = client.complete(prefix + ids(rows), 1)
+                cached = reply.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")
+                if cached != ctx:
+                    raise RuntimeError(f"prefill point of {rows} rows at context {ctx}: the server resumed at "
+                                       f"{cached} (cached_tokens), not at {ctx}; is its prompt cache on?")
                 batches.append(new_steps())
-            line.append((rows, ctx, len(batches) - grid.repeat))
-        prefill_raw.append(line)
+            prefill_raw[i].append((rows, ctx, len(batches) - grid.repeat))
     decode_raw = []
     with concurrent.futures.ThreadPoolExecutor(max(grid.lanes)) as pool:
         for lanes in grid.lanes:
@@ -284,9 +303,10 @@ def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, comman
     cost = attrs.evolve(base.cost, prefill=Grid(x=rows, y=ctx, seconds=monotone(served.prefill)),
                         decode=Grid(x=lanes, y=ctx, seconds=monotone(served.decode)), host=served.host)
     notes = (f"measured through the server's steps by bench/serve_profile.py (ran_s of its step file less the "
-             f"median hand-off, {served.handoff_s * 1e6:.0f} us; median of {grid.repeat} requests a prefill point; "
-             f"decode: steps of exactly L lanes), tables made non-decreasing; host: the hand-off plus the loop's "
-             f"time between busy steps, fitted over lanes and chunks; keep, restore, copy rate: from {base.name}")
+             f"median hand-off, {served.handoff_s * 1e6:.0f} us, and less the step's restore and keep; median of "
+             f"{grid.repeat} requests a prefill point; decode: steps of exactly L lanes), tables made "
+             f"non-decreasing; host: the hand-off plus the loop's time between busy steps, fitted over lanes and "
+             f"chunks; keep, restore, copy rate: from {base.name}")
     provenance = (("backend", "server"), ("command", command), ("server_args", " ".join(server_args)),
                   ("commit", git_commit()), ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
                   ("base", base.name), ("steps", str(served.steps)))
@@ -320,8 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy.write_text(format_policy(policy_from_dict({"max_chunk_rows": grid.chunk_rows, "grid_rows": grid.chunk_rows,
                                                       "lanes": max(grid.lanes)})))
     trace = args.out / "trace.jsonl"
-    server_args = [*shlex.split(args.server_args), "--policy", str(policy), "--prompt-cache-gib", "0",
-                   "--context", str(grid.context_rows), "--trace", str(trace)]
+    server_args = [*shlex.split(args.server_args), "--policy", str(policy), "--context", str(grid.context_rows),
+                   "--trace", str(trace)]
     command = " ".join(["python -m bench.serve_profile", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
     proc = None

@@ -149,6 +149,8 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
                 return
             named.append(handle.id)
             handles[handle.id] = handle
+            if isinstance(job.continuation, ChatContinuation):  # its history's blocks, while a step runs
+                runtime.defer(job.continuation.prewarm)
             send(("accepted", token, handle.id, handle.conversation, handle.prompt_tokens))
         elif kind == "cancel":
             handle = handles.get(message[1])

@@ -11,6 +11,7 @@ and only backend work and sampling run in the worker. HTTP lives in `executor/se
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -149,6 +150,7 @@ class Runtime:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.broken: str | None = None
+        self._background: collections.deque[Callable[[], None]] = collections.deque()
         self.after_commit: Callable[[], None] | None = None
         """Called in the loop thread after each step's commit has delivered its events and
         before the next step starts (the engine process sends the step's tokens here, so
@@ -178,6 +180,12 @@ class Runtime:
         self._states.clear()
         self._releases.clear()
         self._pool.shutdown(wait=True)
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Run `work` in the loop thread while the next step runs in the worker, off every
+        step's path (the engine process warms its chat renderer's block cache this way); an
+        exception it raises is logged, not raised."""
+        self._background.append(work)
 
     def submit(self, job: Job, sink: Callable[[Tokens | Done], None] | None = None) -> Handle:
         """Queue `job`; returns its Handle. Raises Rejected with the scheduler's reason.
@@ -279,7 +287,9 @@ class Runtime:
                     continue
                 plan = self._plan(step)
                 t0 = self._clock()
-                outcome = await loop.run_in_executor(self._pool, self._stepper.run, plan)
+                running = loop.run_in_executor(self._pool, self._stepper.run, plan)
+                self._run_background()
+                outcome = await running
                 self._commit(plan, outcome, self._clock() - t0)
             except Exception as exc:  # a bug here must not leave clients hanging
                 log.exception("runtime_failed")
@@ -287,6 +297,14 @@ class Runtime:
                 for live in list(self._lives.values()):
                     self._deliver_done(live, "error", 0, f"internal error: {exc!r}")
                 return
+
+    def _run_background(self) -> None:
+        while self._background:
+            work = self._background.popleft()
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001 - background work never stops serving
+                log.warning("background_work_failed", error=repr(exc))
 
     async def _idle(self) -> None:
         timer = self.scheduler.next_timer_s()

@@ -70,8 +70,9 @@ class ServeConfig:
     context). decode_graphs: on the GPU, replay each decode round as a CUDA graph (every
     lane count up to the policy's lanes captured before the server is ready; the same
     bits as eager launches). prefill_graphs: on the GPU, replay prefill chunks of at most
-    256 rows as CUDA graphs padded to a bucket of 16, 32, 64, 128 or 256 rows (captured
-    before the server is ready; the same bits as eager launches; needs the tensor-core
+    1024 rows as CUDA graphs padded to a bucket of 16, 32, ..., 1024 rows (captured before
+    the server is ready, up to the first bucket whose replay is not faster than the eager
+    chunk of the bucket below; the same bits as eager launches; needs the tensor-core
     delta rule and the fused attention, else eager). trace: JSONL trace file, or None. engine_process: run the
     scheduler and the backend in a process of their own (`executor.engine`), so HTTP work
     does not slow the steps down; False keeps them in this process (one GIL for both).
@@ -146,8 +147,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=d.decode_graphs,
                     help="GPU: replay decode rounds as CUDA graphs (default: %(default)s)")
     ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=d.prefill_graphs,
-                    help="GPU: replay prefill chunks of up to 256 rows as CUDA graphs, padded to 16, 32, 64, 128 "
-                         "or 256 rows (default: %(default)s)")
+                    help="GPU: replay prefill chunks as CUDA graphs, padded to 16, 32, ..., 1024 rows, up to "
+                         "the first size where a graph is not faster than eager launches (timed at start; "
+                         "default: %(default)s)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                     help="run the scheduler and the backend in their own process, apart from HTTP "
                          "(default: %(default)s)")

@@ -125,12 +125,14 @@ class NumbaCudaBackend:
         self.prefill_graphs_off: str | None = None
         """Why `enable_prefill_graphs` left prefill eager (None when it did not, or was not asked)."""
 
-    def enable_prefill_graphs(self, buckets: Sequence[int] | None = None) -> bool:
+    def enable_prefill_graphs(self, buckets: Sequence[int] | None = None, prune: bool = True) -> bool:
         """Make `prefill` replay CUDA graphs for chunks of at most max(buckets) rows
         (graphs.PrefillGraphs: the chunk padded to its bucket, the same bits as the eager
         chunk, tested); every bucket is captured now (again, replacing earlier graphs, when
         called again); buckets (default graphs.BUCKETS) whose key blocks do not fit the
-        pool's capacity are left out, and so is a bucket whose capture fails (logged). Needs
+        pool's capacity are left out, and so is a bucket whose capture fails (logged).
+        prune: leave out the buckets from the first whose replay is not faster than the
+        eager chunk of the bucket below (`PrefillGraphs.prepare`; logged). Needs
         the tensor-core delta rule and the fused attention (their kernels read rows, start and
         slot on the device); returns False, leaving prefill eager with the reason in
         `prefill_graphs_off`, on a backend that runs another path, when no bucket fits, or
@@ -153,7 +155,7 @@ class NumbaCudaBackend:
         graphs = None
         try:
             graphs = PrefillGraphs(self, buckets)
-            graphs.prepare()
+            graphs.prepare(prune=prune)
         except Exception as exc:  # noqa: BLE001 - eager chunks give the same bits: serve without graphs
             if graphs is not None:
                 graphs.close()
@@ -162,6 +164,8 @@ class NumbaCudaBackend:
             return False
         if graphs.failed:
             log.warning("prefill_graphs_partial", buckets=graphs.buckets, failed=graphs.failed)
+        log.info("prefill_graphs", buckets=graphs.buckets, pruned=graphs.pruned,
+                 ms={b: [round(t * 1e3, 2) for t in ts] for b, ts in graphs.seconds.items()})
         self._prefill_graphs = graphs
         self.prefill_graphs_off = None
         return True

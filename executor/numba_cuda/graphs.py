@@ -31,9 +31,10 @@ always runs in full (the same logits as a tail: tail == full is tested). So a ch
 the eager chunk's bits (tests/executor/numba_cuda/test_gpu_prefill_graphs.py).
 Capture, per bucket: one eager run on the process's pool (it compiles kernels and pins
 GEMM algorithms, whose scratch must not stay in the private pool), one eager run on a
-private `DevicePool` (it fills the pool with every block the step takes), the capture on
-that pool (it hands out only blocks it holds: an allocation during capture is an error),
-and one replay (a graph's first launch uploads it). The bucket graphs share the private
+private `DevicePool` (it fills the pool with every block the step takes), a timed eager run
+on it, the capture on that pool (it hands out only blocks it holds: an allocation during
+capture is an error), one replay (a graph's first launch uploads it) and a timed one
+(`seconds`, which `prepare(prune=True)` compares). The bucket graphs share the private
 pool's blocks (they replay one at a time on one stream), so they hold about one chunk's
 peak of live buffers at the largest bucket; the pool never frees a block while a graph
 lives, not even on an allocation failure (`DevicePool.release_on_oom`). A bucket whose
@@ -43,6 +44,7 @@ capture fails is left out (`failed`), and its chunks launch eagerly.
 from __future__ import annotations
 
 import operator
+import time
 from typing import Sequence
 
 import attrs
@@ -183,10 +185,13 @@ class DecodeGraphs:
         self._graphs.clear()
 
 
-BUCKETS = (16, 32, 64, 128, 256)
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 """Padded row counts of the captured prefill chunks (vLLM pads to capture sizes the same
-way): a chunk of n rows runs in the smallest bucket >= n. Past 256 rows a 27B chunk's
-kernels outlast its launches (RESULTS.md), so longer chunks launch eagerly."""
+way): a chunk of n rows runs in the smallest bucket >= n. How far a graph pays depends on
+the model and the host: past 256 rows a 27B chunk's kernels outlast its launches, while a
+2B chunk of 512 or 1024 rows is still host-bound (RESULTS.md). So `prepare(prune=True)`,
+which the server uses, times each bucket at capture and stops where the graph stops paying
+(`PrefillGraphs.prepare`)."""
 
 
 @attrs.define(eq=False)
@@ -220,6 +225,10 @@ class PrefillGraphs:
         self.pool = DevicePool(1 << 62, release_on_oom=False)  # private: these graphs' buffers, never retired
         self._graphs: dict[int, _PrefillGraph] = {}
         self.failed: dict[int, str] = {}
+        self.pruned: dict[int, str] = {}
+        self.seconds: dict[int, tuple[float, float]] = {}
+        """bucket -> (eager, graph) host wall seconds of one warm run of the bucket's chunk at
+        capture (the eager launches, and one replay, each until the device is done)."""
         self.replays = 0
 
     def bucket(self, rows: int) -> int | None:
@@ -251,18 +260,38 @@ class PrefillGraphs:
         self.replays += 1
         return graph.host_logits[0].copy()
 
-    def prepare(self) -> None:
+    def prepare(self, prune: bool = False) -> None:
         """Capture every bucket now (a server does this before it says ready, so no request
         pays a capture); uses a fresh pool slot at row 0, released afterwards. A bucket whose
-        capture raises is left out of `buckets` (its chunks launch eagerly), with the reason
-        in `failed`; RuntimeError when none is left."""
-        for rows in self.buckets:
+        capture raises is left out of `buckets` (its chunks run in the next bucket up), with
+        the reason in `failed`; RuntimeError when none is left.
+
+        prune: stop at the first bucket b whose replay is not faster than the eager chunk of
+        the bucket below it, p (`seconds`): every chunk b would hold has more than p rows, so
+        it launches eagerly at least as fast as the graph (eager time grows with rows), and
+        the graph's advantage only shrinks further up (kernels grow with the rows, launches
+        do not). b and every bucket above it are left out of `buckets`, with the two timings
+        in `pruned`: their chunks launch eagerly. The private pool keeps the blocks b's
+        capture took (buckets share them; none is freed while a graph lives)."""
+        below = None
+        for i, rows in enumerate(self.buckets):
             if rows in self._graphs:
+                below = rows
                 continue
             try:
                 self._graphs[rows] = self._capture(rows)
             except Exception as exc:  # noqa: BLE001 - the eager chunk gives the same bits
                 self.failed[rows] = repr(exc)
+                continue
+            if prune and below in self.seconds and self.seconds[rows][1] >= self.seconds[below][0]:
+                graph = self._graphs.pop(rows)
+                _driver.cuGraphExecDestroy(graph.executable)
+                _driver.cuGraphDestroy(graph.graph)
+                why = (f"its replay took {self.seconds[rows][1] * 1e3:.2f} ms, the eager chunk of {below} rows "
+                       f"{self.seconds[below][0] * 1e3:.2f} ms")
+                self.pruned.update({b: why if b == rows else f"above {rows}" for b in self.buckets[i:]})
+                break
+            below = rows
         self.buckets = tuple(b for b in self.buckets if b in self._graphs)
         if not self.buckets:
             raise RuntimeError(f"no prefill graph captured: {self.failed}")
@@ -282,7 +311,11 @@ class PrefillGraphs:
             stream.synchronize()
             with using_pool(self.pool):
                 backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
-            stream.synchronize()
+                stream.synchronize()
+                t = time.perf_counter()  # a warm eager run (the pool holds its blocks now), timed
+                backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+                stream.synchronize()
+                eager_s = time.perf_counter() - t
             misses = self.pool.misses
             handle = _cu_stream(stream)
             with cuda.defer_cleanup(), using_pool(self.pool):
@@ -302,6 +335,10 @@ class PrefillGraphs:
             # 2B server's first chunk of each bucket ran 1.7-2.9x the later ones, RESULTS.md)
             _checked(_driver.cuGraphLaunch(executable, handle))
             stream.synchronize()
+            t = time.perf_counter()
+            _checked(_driver.cuGraphLaunch(executable, handle))
+            stream.synchronize()
+            self.seconds[rows] = (eager_s, time.perf_counter() - t)
         finally:
             backend.release(state)
         return _PrefillGraph(rows, inputs, logits, host_inputs, cuda.pinned_array(tuple(logits.shape), np.float32),

@@ -49,6 +49,14 @@ def test_only_pure_steps_price_a_point():
     assert decode_steps(steps, 1) == [0.005]
 
 
+def test_a_prefill_point_leaves_out_the_restore_and_keep_it_ran():
+    """A resumed chunk's step: 10 ms in all, of which the restore 1.5 ms and the keep 2 ms
+    (the simulator prices both from the base profile): the table gets 6.5 ms."""
+    steps = [step(0.010, rows=8, start=32, phases={"restore": 0.0015, "forward": 0.006, "keep": 0.002,
+                                                   "sample": 0.0002})]
+    assert prefill_steps(steps, 8, 32) == [pytest.approx(0.0065)]
+
+
 def test_handoff_is_the_median_time_beyond_the_phases():
     steps = [step(0.010, phases={"forward": 0.009}), step(0.005, phases={"decode": 0.0045}),
              step(0.004, phases={"decode": 0.0036})]
@@ -127,8 +135,14 @@ def test_a_tiny_server_run_writes_a_profile_the_simulator_loads(tmp_path, capsys
     assert all(s > 0 for row in p.cost.decode.seconds for s in row)
     assert p.cost.host.step_s > 0 and "hand-off" in text
     steps = [json.loads(line) for line in (out / "trace.jsonl.steps.jsonl").read_text().splitlines()]
-    # all but the untimed warm-up: a chunk of each row count, then a 1-row prompt's 3 tokens (a chunk, 2 rounds)
-    assert dict(p.provenance)["steps"] == str(len(steps) - len(GRIDS["tiny"].rows) - 3)
+    # all but the untimed: a chunk of each row count, a 1-row prompt's 3 tokens (a chunk, 2 rounds), and
+    # context 32's prefix of 33 rows (two chunks)
+    assert dict(p.provenance)["steps"] == str(len(steps) - len(grid.rows) - 3 - 2)
+    # every point after context 32 resumed there: a restore in its step, none in a step from row 0
+    at_32 = [s for s in steps if s["prefill_start"] == 32 and s["prefill_rows"] in grid.rows and not s["decode"]]
+    assert len(at_32) >= len(grid.rows) * grid.repeat
+    assert sum("restore" in s["phases"] for s in at_32) == len(grid.rows) * grid.repeat
+    assert not any("restore" in s["phases"] for s in steps if s["prefill_start"] == 0)
 
 
 def test_cli_errors_name_the_flag(tmp_path, capsys):

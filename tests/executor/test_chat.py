@@ -342,3 +342,12 @@ def test_user_interrupting_a_tool_call_turn(native):
     nxt = native.render([*history, reply, {"role": "user", "content": "never mind"}])
     assert "look it up" not in cont.text
     assert nxt.token_ids[: len(cont.token_ids)] == cont.token_ids and len(cont.token_ids) in nxt.starts
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40))
+def test_marker_rows_are_every_row_holding_the_marker(ids):
+    from executor.chat import marker_rows
+
+    want = tuple(row for row, t in enumerate(ids) if t == 2)
+    assert marker_rows(tuple(ids), 2) == want and marker_rows(list(ids), 2) == want

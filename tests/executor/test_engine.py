@@ -310,3 +310,93 @@ def test_a_second_signal_kills_a_wedged_engine():
         assert not _alive(engine)
     finally:
         server.kill()
+
+
+def test_deferred_work_runs_in_the_loop_while_a_step_runs(renderer):
+    """Runtime.defer: the work runs once, in the loop thread, after the next step went to
+    the worker and before it came back; a failing one is logged and serving goes on."""
+    import threading
+
+    async def run():
+        runtime = Runtime(ReferenceBackend.from_dir(tiny_model_dir()), renderer.tokenizer, POLICY)
+        spans: list[tuple[float, float]] = []
+        inner = runtime._stepper.run
+
+        def slow(plan):
+            t0 = time.monotonic()
+            time.sleep(0.05)
+            out = inner(plan)
+            spans.append((t0, time.monotonic()))
+            return out
+
+        runtime._stepper.run = slow
+        ran: list[tuple[float, str]] = []
+        await runtime.start()
+        try:
+            runtime.defer(lambda: 1 / 0)
+            runtime.defer(lambda: ran.append((time.monotonic(), threading.current_thread().name)))
+            await _collect(runtime.submit(_job(renderer, max_tokens=2)))
+        finally:
+            await runtime.close()
+        return spans, ran
+
+    spans, ran = asyncio.run(run())
+    assert len(ran) == 1 and ran[0][1] == threading.main_thread().name
+    assert spans[0][0] < ran[0][0] < spans[0][1]  # during the first step (the prompt's chunk)
+    assert len(spans) >= 2  # the failing work stopped nothing: the reply's decode step ran
+
+
+def test_the_engine_prewarms_each_chat_request_s_history(renderer):
+    """serve_engine defers the prewarm of every chat job it accepts (bound to its own
+    renderer), and of nothing else; a ChatContinuation prewarm leaves only the reply's
+    blocks for the call at the reply's end, with the same ids as a cold render."""
+    import multiprocessing
+
+    from executor.engine import EngineInfo, serve_engine
+    from policy.usable import BackendFacts
+
+    class FakeRuntime:
+        lanes_busy = waiting = 0
+        broken = None
+        after_commit = None
+
+        def __init__(self):
+            self.deferred, self.jobs = [], []
+
+        async def start(self):
+            pass
+
+        async def close(self):
+            pass
+
+        def defer(self, work):
+            self.deferred.append(work)
+
+        def submit(self, job, sink):
+            self.jobs.append(job)
+            return type("H", (), {"id": f"req-{len(self.jobs)}", "conversation": "c", "prompt_tokens": 3})()
+
+    async def run():
+        here, there = multiprocessing.Pipe(duplex=True)
+        runtime = FakeRuntime()
+        info = EngineInfo(backend="fake", context_rows=64, vocab_size=10, facts=BackendFacts())
+        task = asyncio.get_running_loop().create_task(serve_engine(there, runtime, renderer, info))
+        job = _job(renderer)
+        here.send(("submit", 1, _wire(job)))
+        here.send(("submit", 2, attrs.evolve(job, continuation=None)))
+        here.send(("close",))
+        await asyncio.wait_for(task, 10)
+        return runtime
+
+    runtime = asyncio.run(run())
+    assert len(runtime.jobs) == 2 and len(runtime.deferred) == 1
+    assert runtime.deferred[0].__self__.renderer is renderer  # bound to the engine's renderer
+
+    fresh = ChatRenderer(renderer.tokenizer, renderer.template)
+    cont = attrs.evolve(_job(renderer).continuation, renderer=fresh)
+    cold = attrs.evolve(cont, renderer=ChatRenderer(renderer.tokenizer, renderer.template))("Sunny, 20 C.")
+    cont.prewarm()
+    misses = fresh._blocks.misses
+    warm = cont("Sunny, 20 C.")
+    assert warm.token_ids == cold.token_ids and warm.starts == cold.starts
+    assert fresh._blocks.misses - misses == 2  # the reply's block and the next message's probe

@@ -12,8 +12,8 @@ from executor.numba_cuda import graphs
 
 
 def test_bucket_is_the_smallest_that_holds_the_rows():
-    assert [graphs.bucket_for(graphs.BUCKETS, n) for n in (1, 16, 17, 64, 65, 256, 257)] == [
-        16, 16, 32, 64, 128, 256, None]
+    assert [graphs.bucket_for(graphs.BUCKETS, n) for n in (1, 16, 17, 64, 65, 256, 257, 1024, 1025)] == [
+        16, 16, 32, 64, 128, 256, 512, 1024, None]
 
 
 def test_fill_pads_to_the_bucket():
@@ -86,3 +86,54 @@ def test_buckets_are_checked_against_the_capacity():
     for bad in ([], [0, 16], [16.5], ["16"], [33]):
         with pytest.raises(ValueError, match="buckets"):
             graphs.check_buckets(bad, 32)
+
+
+class _Captures(graphs.PrefillGraphs):
+    """PrefillGraphs whose capture only records timings: (eager, graph) seconds by bucket,
+    or an exception to raise. Built without a device (no __init__)."""
+
+    def __init__(self, buckets, timings):
+        self.buckets, self.timings = tuple(buckets), timings
+        self._graphs, self.failed, self.pruned, self.seconds = {}, {}, {}, {}
+        self.destroyed = []
+
+    def _capture(self, rows):
+        if isinstance(self.timings[rows], Exception):
+            raise self.timings[rows]
+        self.seconds[rows] = self.timings[rows]
+        return type("G", (), {"executable": f"exec {rows}", "graph": f"graph {rows}"})()
+
+
+class _Driver:
+    def __init__(self, log):
+        self.cuGraphExecDestroy = lambda e: log.append(e)
+        self.cuGraphDestroy = lambda g: log.append(g)
+
+
+def test_prune_stops_at_the_first_bucket_no_faster_than_the_eager_chunk_below(monkeypatch):
+    """A 2B-like host: graphs pay up to 256 rows; 512's replay (9 ms) is not faster than
+    the eager 256-row chunk (8 ms), so 512 and everything above it launch eagerly, and 512's
+    graph is destroyed; 1024 is never captured. A failed capture (64) is skipped: 128 is
+    compared with 32's eager chunk."""
+    ms = 1e-3
+    timings = {16: (5 * ms, 1 * ms), 32: (5 * ms, 1 * ms), 64: RuntimeError("no"), 128: (6 * ms, 4.9 * ms),
+               256: (8 * ms, 5 * ms), 512: (12 * ms, 9 * ms), 1024: (20 * ms, 15 * ms)}
+    log = []
+    monkeypatch.setattr(graphs, "_driver", _Driver(log))
+    g = _Captures(graphs.BUCKETS, timings)
+    g.prepare(prune=True)
+    assert g.buckets == (16, 32, 128, 256)
+    assert set(g.pruned) == {512, 1024} and "8.00 ms" in g.pruned[512] and "9.00 ms" in g.pruned[512]
+    assert log == ["exec 512", "graph 512"] and 1024 not in g.seconds
+    assert set(g.failed) == {64}
+    # without prune every bucket stays; a replay no faster than the eager chunk below is kept
+    g = _Captures(graphs.BUCKETS, timings)
+    g.prepare()
+    assert g.buckets == (16, 32, 128, 256, 512, 1024) and not g.pruned
+    # equal times prune too (not faster); the first bucket has nothing below it
+    g = _Captures((16, 32), {16: (1 * ms, 3 * ms), 32: (2 * ms, 0.5 * ms)})
+    g.prepare(prune=True)
+    assert g.buckets == (16, 32)
+    g = _Captures((16, 32), {16: (2 * ms, 1 * ms), 32: (3 * ms, 2 * ms)})
+    g.prepare(prune=True)
+    assert g.buckets == (16,) and set(g.pruned) == {32}

@@ -28,7 +28,7 @@ from executor.weights import load_weights  # noqa: E402
 from tests.executor.qwen_support import gpu_test_configs  # noqa: E402
 
 CONFIGS = gpu_test_configs()
-CAPACITY = 1024
+CAPACITY = 3072
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -38,7 +38,7 @@ def backend(request, tmp_path_factory):
     gpu = NumbaCudaBackend(load_weights(path), slots=8, capacity_rows=CAPACITY)
     assert gpu.prefill_delta == "mma", gpu.delta_failures
     assert gpu.prefill_attention == "flash", gpu.attention_failures
-    assert gpu.enable_prefill_graphs(), gpu.prefill_graphs_off  # the server's buckets
+    assert gpu.enable_prefill_graphs(prune=False), gpu.prefill_graphs_off  # every bucket the server may keep
     assert gpu.prefill_graphs.buckets == nb_graphs.BUCKETS and not gpu.prefill_graphs.failed
     yield gpu
     gpu.prefill_graphs.close()
@@ -62,8 +62,8 @@ def _run(gpu, cuts, ids, graphs: bool, state=None):
 
 # chunks of every bucket, padded and full, from row 0, from grid rows, from off-grid rows,
 # an eager chunk (> the largest bucket) between captured ones, and a last chunk that ends at
-# the capacity: 1, 16, 16, 31, 64, 36, 128, 8, 200, 320 (eager), 204 rows
-CUTS = (0, 1, 17, 33, 64, 128, 164, 292, 300, 500, 820, CAPACITY)
+# the capacity: 1, 16, 16, 31, 64, 36, 128, 8, 200, 320, 880, 1100 (eager), 272 rows
+CUTS = (0, 1, 17, 33, 64, 128, 164, 292, 300, 500, 820, 1700, 2800, CAPACITY)
 
 
 def test_graph_chunks_equal_eager(backend):
@@ -72,7 +72,7 @@ def test_graph_chunks_equal_eager(backend):
     eager, want_logits, want_packs = _run(backend, CUTS, ids, graphs=False)
     graph, got_logits, got_packs = _run(backend, CUTS, ids, graphs=True)
     assert eager.slot != graph.slot
-    # every chunk but the 320-row one (no bucket holds it) replayed a graph
+    # every chunk but the 1100-row one (no bucket holds it) replayed a graph
     assert backend.prefill_graphs.replays - before == len(CUTS) - 2
     for i, (a, b) in enumerate(zip(CUTS, CUTS[1:])):
         assert np.array_equal(got_logits[i], want_logits[i]), f"logits of rows [{a}, {b})"
@@ -175,6 +175,25 @@ def test_planted_host_fixed_rows_are_caught(backend):
 
 def test_buckets_and_serves(backend):
     graphs = backend.prefill_graphs
-    assert [graphs.bucket(n) for n in (1, 16, 17, 128, 129, 256, 257)] == [16, 16, 32, 128, 256, 256, None]
-    assert graphs.serves(0, 256) and not graphs.serves(0, 257)
+    assert [graphs.bucket(n) for n in (1, 16, 17, 128, 129, 256, 257, 1024, 1025)] == [
+        16, 16, 32, 128, 256, 256, 512, 1024, None]
+    assert graphs.serves(0, 1024) and not graphs.serves(0, 1025)
     assert graphs.serves(CAPACITY - 32, CAPACITY) and not graphs.serves(CAPACITY - 31, CAPACITY + 1)
+
+
+def test_pruned_buckets_are_the_top_ones_with_their_timings(backend):
+    """The server's capture (prune on): the kept buckets are the smallest ones, each timed;
+    every bucket above them is pruned, the first with the timings that pruned it."""
+    try:
+        assert backend.enable_prefill_graphs(), backend.prefill_graphs_off
+        g = backend.prefill_graphs
+        kept = len(g.buckets)
+        assert g.buckets == nb_graphs.BUCKETS[:kept] and kept >= 1
+        assert set(g.pruned) == set(nb_graphs.BUCKETS[kept:])
+        assert all(b in g.seconds and min(g.seconds[b]) > 0 for b in g.buckets)
+        if g.pruned:
+            first = nb_graphs.BUCKETS[kept]
+            assert g.seconds[first][1] >= g.seconds[g.buckets[-1]][0] and "eager chunk" in g.pruned[first]
+    finally:
+        assert backend.enable_prefill_graphs(prune=False)  # the other tests' buckets
+        assert backend.prefill_graphs.buckets == nb_graphs.BUCKETS
