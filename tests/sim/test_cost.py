@@ -88,7 +88,8 @@ def make_profiles_module():
 def test_shipped_profiles():
     """Shipped profiles are analytic (bench/make_profiles.py) or measured on the H200 (bench/profile.py)."""
     assert list_profiles() == ("qwen3.5-27b-h200", "qwen3.5-27b-h200-roofline", "qwen3.5-2b-h200",
-                               "qwen3.5-2b-h200-roofline", "qwen3.5-9b-h200", "qwen3.5-9b-h200-roofline")
+                               "qwen3.5-2b-h200-roofline", "qwen3.5-2b-h200-served", "qwen3.5-9b-h200",
+                               "qwen3.5-9b-h200-roofline")
     assert load_profile().name == DEFAULT_PROFILE == "qwen3.5-9b-h200-roofline"
     for size in ("2b", "9b", "27b"):
         assert load_profile(f"qwen3.5-{size}-h200").source == "measured"
