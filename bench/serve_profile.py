@@ -9,19 +9,20 @@ the loop shares), and a replay of the same run with the server's own step costs 
 fitted to that run) brought the simulator's TTFT error from 22.9% to 10.0% (bench/RESULTS.md,
 session 10).
 
-How: start `python -m executor.serve ARGS --trace DIR/trace.jsonl` with a policy whose marks
-and chunks are `chunk_rows` apart, and read the step file it writes beside the trace
+How: start `python -m executor.serve --prompt-cache-gib 4 ARGS --trace DIR/trace.jsonl` with a
+policy whose marks and chunks are `chunk_rows` apart, and read the step file it writes beside the trace
 (`trace.jsonl.steps.jsonl`: each step's seconds in the backend worker, `ran_s`, and its phases):
 - prefill (R rows after C rows): one request at a time, one token out. C = 0: a prompt of R
   random token ids. C > 0: first a prompt of C + 1 random ids (untimed; it keeps its state at
   the mark C), then prompts of those C ids plus R new ones, which resume at C
   (`cached_tokens` == C is checked) and run exactly the chunk [C, C + R) with its logits read,
-  as the simulator's prefill_s prices it. Its step's ran_s less the step's restore and keep
-  phases (the simulator charges those from the base profile), median over `repeat`
-  requests. Why not a cold prompt of C + R rows: its chunk [C, C + R) would follow a chunk
-  that reads no logits, whose step returns once its kernels are queued, so the step after
-  it also waits out the earlier chunk's device time (2B: 30 ms instead of ~6 ms for one row
-  after 4096; bench/RESULTS.md, session 11).
+  as the simulator's prefill_s prices it. Its step's ran_s less its keep phase and less the
+  base profile's restore of C rows (the simulator charges both by bytes; the restore's copies
+  run on the device inside the forward phase), median over `repeat` requests. Why not a
+  cold prompt of C + R rows: its chunk [C, C + R) would follow a chunk that reads no
+  logits, whose step returns once its kernels are queued, so the step after it also waits
+  out the earlier chunk's device time (2B: 30 ms instead of ~6 ms for one row after 4096;
+  bench/RESULTS.md, session 11).
 - decode (L lanes, C rows each): L concurrent requests with prompts of C rows and
   `reply_tokens(L, C)` tokens out (enough that the first reply still decodes when the last
   prompt is in: each step that prefills a chunk also decodes the lanes already in); the
@@ -71,7 +72,15 @@ from bench.profile import monotone
 from executor.server_process import start_server, stop_server
 from policy.config import format_policy, policy_from_dict
 from sim.api import git_commit
+from policy.shape import state_bytes
 from sim.cost import Grid, HostCost, Profile, TableCost, load_profile, profile_to_dict
+
+PROMPT_CACHE_GIB = 4
+"""The server's prompt cache budget unless --server-args sets one: room for the longest
+context's kept prefix and a few points. Not the 64 GiB default: the store counts a kept
+state's own K/V rows, while the GPU backend keeps every state whole, so device memory runs
+several times the budget when states share a prefix, as every point at one context does (a
+review's estimate for the full grids at 64 GiB: 9B ~173 GiB, 27B ~368 GiB; the H200 has 139)."""
 
 IDS = (1000, 30000)
 """Random prompt token ids are drawn from [IDS[0], IDS[1]) (inside every Qwen3.5 vocabulary)."""
@@ -138,14 +147,15 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-PRICED_APART = ("restore", "keep")
-"""Step phases the simulator charges from the base profile's curves, not the prefill table."""
-
-
-def prefill_steps(steps: Sequence[dict[str, Any]], rows: int, context: int) -> list[float]:
-    """ran_s less the PRICED_APART phases of the steps that ran exactly a chunk of `rows` rows
-    from row `context` and nothing else (no decode lane, no full-hit restore)."""
-    return [s["ran_s"] - sum(s["phases"].get(p, 0.0) for p in PRICED_APART) for s in steps
+def prefill_steps(steps: Sequence[dict[str, Any]], rows: int, context: int, restore_s: float = 0.0) -> list[float]:
+    """Of the steps that ran exactly a chunk of `rows` rows from row `context` and nothing
+    else (no decode lane, no full-hit restore): ran_s less the keep phase and, when the step
+    restored its pass's state, less `restore_s` (the base profile's restore of a state at
+    `context` rows). Not less the restore phase: that is the host's launch of the copies,
+    whose device time lands in the forward phase (it waits for the logits), and the
+    simulator charges a restore's whole time from the base profile."""
+    return [s["ran_s"] - s["phases"].get("keep", 0.0) - (restore_s if "restore" in s["phases"] else 0.0)
+            for s in steps
             if s["prefill_rows"] == rows and s["prefill_start"] == context and not s["decode"] and not s["restores"]]
 
 
@@ -224,9 +234,12 @@ class Served:
     steps: int
 
 
-def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[str], None] = print) -> Served:
+def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[str], None] = print,
+            restore_s: Callable[[int], float] = lambda rows: 0.0) -> Served:
     """Drive the server through every grid point and read its step file (module docstring).
-    Raises RuntimeError naming the point when the server ran no step of it."""
+    restore_s(rows): seconds the simulator charges to restore a state at `rows` rows (the
+    base profile's), taken out of the resumed prefill points. Raises RuntimeError naming the
+    point when the server ran no step of it, or did not resume where it should."""
     rng = np.random.default_rng(grid.seed)
     ids = lambda n: rng.integers(*IDS, n).tolist()  # noqa: E731
     seen = len(read_steps(steps_path))
@@ -246,16 +259,23 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
     prefill_raw: list[list[tuple[int, int, int]]] = [[] for _ in grid.rows]
     for ctx in grid.contexts:
         prefix = ids(ctx)
-        if ctx:  # untimed: keeps the state at the mark ctx (the extra row puts the mark inside the prompt)
-            client.complete(prefix + ids(1), 1)
+        if ctx:  # untimed: keeps the state at the mark ctx (the extra row puts the mark inside the
+            # prompt; its id lies outside IDS, so no point's prompt equals this one)
+            client.complete(prefix + [IDS[0] - 1], 1)
             new_steps()
+        firsts: set[int] = set()  # no two points at ctx share their first new id: none repeats another
         for i, rows in enumerate(grid.rows):
             for _ in range(grid.repeat):
-                reply = client.complete(prefix + ids(rows), 1)
+                suffix = ids(rows)
+                while suffix[0] in firsts:
+                    suffix[0] = ids(1)[0]
+                firsts.add(suffix[0])
+                reply = client.complete(prefix + suffix, 1)
                 cached = reply.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")
                 if cached != ctx:
                     raise RuntimeError(f"prefill point of {rows} rows at context {ctx}: the server resumed at "
-                                       f"{cached} (cached_tokens), not at {ctx}; is its prompt cache on?")
+                                       f"{cached} (cached_tokens), not at {ctx}; is its prompt cache on, with "
+                                       f"room for a state of {ctx} rows?")
                 batches.append(new_steps())
             prefill_raw[i].append((rows, ctx, len(batches) - grid.repeat))
     decode_raw = []
@@ -280,7 +300,7 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
             raise RuntimeError(f"no {label} in {steps_path}")
         return float(np.median(times))
 
-    prefill = tuple(tuple(point(lambda b, r=r, c=c: prefill_steps(b, r, c), i, grid.repeat,
+    prefill = tuple(tuple(point(lambda b, r=r, c=c: prefill_steps(b, r, c, restore_s(c)), i, grid.repeat,
                                 f"prefill step of {r} rows at context {c}") for r, c, i in line)
                     for line in prefill_raw)
     decode = tuple(tuple(point(lambda b, n=n: decode_steps(b, n), i, 1, f"decode step of {n} lanes at context {c}")
@@ -303,10 +323,10 @@ def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, comman
     cost = attrs.evolve(base.cost, prefill=Grid(x=rows, y=ctx, seconds=monotone(served.prefill)),
                         decode=Grid(x=lanes, y=ctx, seconds=monotone(served.decode)), host=served.host)
     notes = (f"measured through the server's steps by bench/serve_profile.py (ran_s of its step file less the "
-             f"median hand-off, {served.handoff_s * 1e6:.0f} us, and less the step's restore and keep; median of "
-             f"{grid.repeat} requests a prefill point; decode: steps of exactly L lanes), tables made "
-             f"non-decreasing; host: the hand-off plus the loop's time between busy steps, fitted over lanes and "
-             f"chunks; keep, restore, copy rate: from {base.name}")
+             f"median hand-off, {served.handoff_s * 1e6:.0f} us, less the step's keep and the base profile's "
+             f"restore; median of {grid.repeat} requests a prefill point; decode: steps of exactly L lanes), "
+             f"tables made non-decreasing; host: the hand-off plus the loop's time between busy steps, fitted over "
+             f"lanes and chunks; keep, restore, copy rate: from {base.name}")
     provenance = (("backend", "server"), ("command", command), ("server_args", " ".join(server_args)),
                   ("commit", git_commit()), ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
                   ("base", base.name), ("steps", str(served.steps)))
@@ -340,8 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy.write_text(format_policy(policy_from_dict({"max_chunk_rows": grid.chunk_rows, "grid_rows": grid.chunk_rows,
                                                       "lanes": max(grid.lanes)})))
     trace = args.out / "trace.jsonl"
-    server_args = [*shlex.split(args.server_args), "--policy", str(policy), "--context", str(grid.context_rows),
-                   "--trace", str(trace)]
+    server_args = ["--prompt-cache-gib", str(PROMPT_CACHE_GIB), *shlex.split(args.server_args), "--policy", str(policy),
+                   "--context", str(grid.context_rows), "--trace", str(trace)]
     command = " ".join(["python -m bench.serve_profile", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
     proc = None
@@ -350,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
             model = json.loads(resp.read())["data"][0]["id"]
         print(f"{args.name}: server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        served = measure(Client(url, model), trace.with_name(trace.name + ".steps.jsonl"), grid)
+        served = measure(Client(url, model), trace.with_name(trace.name + ".steps.jsonl"), grid,
+                         restore_s=lambda rows: base.restore_s(state_bytes(base.shape, rows)))
     except (RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -287,6 +287,7 @@ def marker_rows(ids: Sequence[int], marker: int) -> tuple[int, ...]:
     except ValueError:
         return tuple(rows)
 
+
 @attrs.frozen(slots=True)
 class ChatRenderer:
     """Renders conversations to `Rendered` with a tokenizer and an optional jinja template
@@ -320,6 +321,11 @@ class ChatRenderer:
         remembered, not tokenized again (`executor.tokenizer.BlockEncoder`: the same ids)."""
         ids = tuple(self._blocks.encode(text))
         return Rendered(text, ids, marker_rows(ids, token_id(self.tokenizer, IM_START)))
+
+    def learn(self, text: str, ids: Sequence[int]) -> None:
+        """Remember the blocks of rendered `text` from its token ids (as `encode` returned
+        them, here or in another process) without tokenizing: `BlockEncoder.learn`."""
+        self._blocks.learn(text, ids)
 
     def render(
         self,

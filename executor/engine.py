@@ -31,6 +31,7 @@ pipe or goes away (it ignores SIGINT and SIGTERM: the API process stops it).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import multiprocessing
 import time
@@ -150,7 +151,7 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
             named.append(handle.id)
             handles[handle.id] = handle
             if isinstance(job.continuation, ChatContinuation):  # its history's blocks, while a step runs
-                runtime.defer(job.continuation.prewarm)
+                runtime.defer(functools.partial(job.continuation.prewarm, job.prompt_ids))
             send(("accepted", token, handle.id, handle.conversation, handle.prompt_tokens))
         elif kind == "cancel":
             handle = handles.get(message[1])

@@ -238,19 +238,22 @@ class ChatContinuation:
     parse_tools: bool
     renderer: Any = attrs.field(default=None, eq=False, repr=False)
 
-    def prewarm(self) -> None:
-        """Render the history now, as the call at the reply's end will, so that the bound
-        renderer remembers its blocks (`executor.tokenizer.BlockEncoder`) and that call,
-        which runs inside a step of every lane, tokenizes only the reply's blocks. The engine
-        process's renderer has not seen a request's history (the API process rendered it):
-        a 600-row history's continuation took 1.4 ms cold and 0.1 ms warm on this CPU, and
-        the H200 server's steps that ended a reply ran ~1.15 ms longer (bench/RESULTS.md,
+    def prewarm(self, prompt_ids: Sequence[int]) -> None:
+        """Teach the bound renderer the blocks of this request's prompt, so that the call at
+        the reply's end, which runs inside a step of every lane, tokenizes only the reply's
+        blocks. prompt_ids: the request's rendered prompt (the API rendered it with
+        add_generation_prompt=True); the text is rendered again here (string work) and
+        paired with those ids block by block (`ChatRenderer.learn`): nothing is tokenized,
+        since the tokenizer holds the GIL the worker's step needs. The engine process's
+        renderer has not seen a request's history (the API process rendered it): on the
+        H200 the steps that ended a reply ran ~1.15 ms longer for it (bench/RESULTS.md,
         session 11). Raises RuntimeError when unbound; ChatError as rendering does."""
         if self.renderer is None:
             raise RuntimeError("ChatContinuation has no renderer bound")
         tools = list(self.tools) if self.tools else None
-        self.renderer.render(list(self.messages), tools, add_generation_prompt=False,
-                             enable_thinking=self.enable_thinking)
+        text = self.renderer.text(list(self.messages), tools, add_generation_prompt=True,
+                                  enable_thinking=self.enable_thinking)
+        self.renderer.learn(text, prompt_ids)
 
     def __call__(self, text: str) -> Any:
         """The rendered continuation (`executor.chat.Rendered`) after a reply of `text`."""

@@ -106,6 +106,10 @@ class Handle:
                 return
 
 
+BACKGROUND_BUDGET_S = 0.001
+"""Seconds of deferred work (`Runtime.defer`) the loop runs per step, past the first item."""
+
+
 class Runtime:
     """Serves `Job`s on `backend` under `cfg` (see the module docstring).
 
@@ -182,9 +186,11 @@ class Runtime:
         self._pool.shutdown(wait=True)
 
     def defer(self, work: Callable[[], None]) -> None:
-        """Run `work` in the loop thread while the next step runs in the worker, off every
-        step's path (the engine process warms its chat renderer's block cache this way); an
-        exception it raises is logged, not raised."""
+        """Run `work` in the loop thread right after a step goes to the worker, in order, at
+        most BACKGROUND_BUDGET_S of such work a step (and at least one item). Both threads
+        share the GIL, so Python work here mostly runs before the step's own host work, not
+        beside it: keep each item short (the engine's chat prewarm pairs blocks with ids and
+        tokenizes nothing). An exception it raises is logged, not raised."""
         self._background.append(work)
 
     def submit(self, job: Job, sink: Callable[[Tokens | Done], None] | None = None) -> Handle:
@@ -299,12 +305,15 @@ class Runtime:
                 return
 
     def _run_background(self) -> None:
+        t0 = time.perf_counter()
         while self._background:
             work = self._background.popleft()
             try:
                 work()
             except Exception as exc:  # noqa: BLE001 - background work never stops serving
                 log.warning("background_work_failed", error=repr(exc))
+            if time.perf_counter() - t0 >= BACKGROUND_BUDGET_S:
+                return
 
     async def _idle(self) -> None:
         timer = self.scheduler.next_timer_s()
@@ -396,7 +405,7 @@ class Runtime:
         for e in effects:
             if isinstance(e, Kept):
                 if snapshot is None:
-                    log.error("keep_without_snapshot", entry=e.entry.id, row=e.entry.row)
+                    log.warning("keep_without_snapshot", entry=e.entry.id, row=e.entry.row)
                     if e.entry.live and e.entry.pins == 0:
                         self.scheduler.store.evict(e.entry)
                     continue

@@ -130,7 +130,10 @@ class Stepper:
                             and backend.config.layer_types[-1] == FULL)
 
     def run(self, plan: Plan) -> Outcome:
-        """Run one step; a backend exception is returned in `Outcome.error`, not raised."""
+        """Run one step; a backend exception is returned in `Outcome.error`, not raised. A
+        keep whose snapshot raises (the device out of memory for the copy, say) is logged and
+        leaves `Outcome.snapshot` None: the step and its requests go on, and the runtime
+        drops the entry it would have filled (`keep_without_snapshot`)."""
         out = Outcome()
         t0 = time.perf_counter()
         try:
@@ -178,7 +181,10 @@ class Stepper:
         self._lap(out, "forward", t)
         if run.keep is not None:
             t = time.perf_counter()
-            out.snapshot = payloads.snapshot(self.backend, state, logits if run.keep.with_logits else None)
+            try:
+                out.snapshot = payloads.snapshot(self.backend, state, logits if run.keep.with_logits else None)
+            except Exception as exc:  # noqa: BLE001 - out of device memory, say: keep nothing, serve on
+                log.warning("keep_failed", row=run.keep.row, error=repr(exc))
             self._lap(out, "keep", t)
         live = plan.prefill_live
         if live is not None and run.chunk.reads_logits and live.job.max_tokens > 0:

@@ -15,6 +15,7 @@ import threading
 import unicodedata
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -330,6 +331,18 @@ class BlockEncoder:
             out.extend(ids)
             i = j
         return out
+
+    def learn(self, text: str, ids: Sequence[int]) -> None:
+        """Remember the blocks of `text` from `ids`, the ids `encode(text)` gave (in another
+        process, say), without tokenizing anything: each block's ids are the run from one
+        marker id to the next. Remembers nothing when the marker ids do not line up with the
+        blocks; a wrong pairing can only cost a later encode its speed, never its ids, as
+        long as `ids` are text's."""
+        if not self.enabled or not text:
+            return
+        parts = text.split(self.marker)
+        blocks = ([parts[0]] if parts[0] else []) + [self.marker + part for part in parts[1:]]
+        self._remember(blocks, list(ids))
 
     def _get(self, block: str) -> array | None:
         ids = self._blocks.get(block)

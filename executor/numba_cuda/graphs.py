@@ -31,14 +31,14 @@ always runs in full (the same logits as a tail: tail == full is tested). So a ch
 the eager chunk's bits (tests/executor/numba_cuda/test_gpu_prefill_graphs.py).
 Capture, per bucket: one eager run on the process's pool (it compiles kernels and pins
 GEMM algorithms, whose scratch must not stay in the private pool), one eager run on a
-private `DevicePool` (it fills the pool with every block the step takes), a timed eager run
+private `DevicePool` (it fills the pool with every block the step takes), timed eager runs
 on it, the capture on that pool (it hands out only blocks it holds: an allocation during
-capture is an error), one replay (a graph's first launch uploads it) and a timed one
+capture is an error), one replay (a graph's first launch uploads it) and timed ones
 (`seconds`, which `prepare(prune=True)` compares). The bucket graphs share the private
 pool's blocks (they replay one at a time on one stream), so they hold about one chunk's
 peak of live buffers at the largest bucket; the pool never frees a block while a graph
 lives, not even on an allocation failure (`DevicePool.release_on_oom`). A bucket whose
-capture fails is left out (`failed`), and its chunks launch eagerly.
+capture fails is left out (`failed`); its chunks run in the next bucket up.
 """
 
 from __future__ import annotations
@@ -266,13 +266,16 @@ class PrefillGraphs:
         capture raises is left out of `buckets` (its chunks run in the next bucket up), with
         the reason in `failed`; RuntimeError when none is left.
 
-        prune: stop at the first bucket b whose replay is not faster than the eager chunk of
-        the bucket below it, p (`seconds`): every chunk b would hold has more than p rows, so
-        it launches eagerly at least as fast as the graph (eager time grows with rows), and
-        the graph's advantage only shrinks further up (kernels grow with the rows, launches
-        do not). b and every bucket above it are left out of `buckets`, with the two timings
-        in `pruned`: their chunks launch eagerly. The private pool keeps the blocks b's
-        capture took (buckets share them; none is freed while a graph lives)."""
+        prune: keep a bucket b only when its replay is faster than the eager chunk of the
+        bucket below it, p (`seconds`, medians of TIMED_RUNS): the fewest rows b holds are
+        p + 1, and eager time grows with rows, so a kept graph is never slower than eager
+        launches for any chunk it holds. At the first b that fails, its smallest chunks would
+        run slower as a graph (its largest may still run faster), and b and every bucket above
+        it are left out of `buckets`, with the timings in `pruned`: their chunks launch
+        eagerly. Stopping there assumes the graph's gain shrinks as rows grow (kernels grow
+        with rows, launches do not), as it did on every H200 host measured. The private pool
+        keeps the blocks b's capture took (buckets share them; none is freed while a graph
+        lives)."""
         below = None
         for i, rows in enumerate(self.buckets):
             if rows in self._graphs:
@@ -312,10 +315,11 @@ class PrefillGraphs:
             with using_pool(self.pool):
                 backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
                 stream.synchronize()
-                t = time.perf_counter()  # a warm eager run (the pool holds its blocks now), timed
-                backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
-                stream.synchronize()
-                eager_s = time.perf_counter() - t
+
+                def eager() -> None:  # warm now: the pool holds every block the step takes
+                    backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+
+                eager_s = _median_seconds(eager, stream)
             misses = self.pool.misses
             handle = _cu_stream(stream)
             with cuda.defer_cleanup(), using_pool(self.pool):
@@ -335,10 +339,8 @@ class PrefillGraphs:
             # 2B server's first chunk of each bucket ran 1.7-2.9x the later ones, RESULTS.md)
             _checked(_driver.cuGraphLaunch(executable, handle))
             stream.synchronize()
-            t = time.perf_counter()
-            _checked(_driver.cuGraphLaunch(executable, handle))
-            stream.synchronize()
-            self.seconds[rows] = (eager_s, time.perf_counter() - t)
+            self.seconds[rows] = (eager_s, _median_seconds(lambda: _checked(_driver.cuGraphLaunch(executable, handle)),
+                                                           stream))
         finally:
             backend.release(state)
         return _PrefillGraph(rows, inputs, logits, host_inputs, cuda.pinned_array(tuple(logits.shape), np.float32),
@@ -351,6 +353,21 @@ class PrefillGraphs:
             _driver.cuGraphDestroy(graph.graph)
         self._graphs.clear()
         self.pool.release()
+
+
+TIMED_RUNS = 3
+"""Runs per timing of `_median_seconds` (the prune decision reads the medians)."""
+
+
+def _median_seconds(run, stream) -> float:
+    """Median host wall seconds of TIMED_RUNS calls of run() (each until the device is done)."""
+    times = []
+    for _ in range(TIMED_RUNS):
+        t = time.perf_counter()
+        run()
+        stream.synchronize()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
 
 
 def keys_fit(end: int, capacity: int) -> bool:

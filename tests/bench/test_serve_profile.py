@@ -49,12 +49,16 @@ def test_only_pure_steps_price_a_point():
     assert decode_steps(steps, 1) == [0.005]
 
 
-def test_a_prefill_point_leaves_out_the_restore_and_keep_it_ran():
-    """A resumed chunk's step: 10 ms in all, of which the restore 1.5 ms and the keep 2 ms
-    (the simulator prices both from the base profile): the table gets 6.5 ms."""
-    steps = [step(0.010, rows=8, start=32, phases={"restore": 0.0015, "forward": 0.006, "keep": 0.002,
-                                                   "sample": 0.0002})]
-    assert prefill_steps(steps, 8, 32) == [pytest.approx(0.0065)]
+def test_a_prefill_point_leaves_out_the_keep_and_the_base_restore():
+    """A resumed chunk's step: 10 ms in all, with a keep phase of 2 ms and a restore phase
+    of 0.2 ms (the launch; the copies' device time sits in forward): the table gets 10 - 2
+    - the base profile's restore (1.5 ms here), not 10 - 2 - 0.2. A chunk from row 0 (no
+    restore) loses only its keep."""
+    steps = [step(0.010, rows=8, start=32, phases={"restore": 0.0002, "forward": 0.0075, "keep": 0.002,
+                                                   "sample": 0.0002}),
+             step(0.009, rows=8, start=0, phases={"forward": 0.007, "keep": 0.001})]
+    assert prefill_steps(steps, 8, 32, restore_s=0.0015) == [pytest.approx(0.0065)]
+    assert prefill_steps(steps, 8, 0, restore_s=0.0015) == [pytest.approx(0.008)]
 
 
 def test_handoff_is_the_median_time_beyond_the_phases():

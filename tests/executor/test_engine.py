@@ -312,44 +312,56 @@ def test_a_second_signal_kills_a_wedged_engine():
         server.kill()
 
 
-def test_deferred_work_runs_in_the_loop_while_a_step_runs(renderer):
-    """Runtime.defer: the work runs once, in the loop thread, after the next step went to
-    the worker and before it came back; a failing one is logged and serving goes on."""
+def test_deferred_work_runs_in_the_loop_as_steps_go_out(renderer, monkeypatch):
+    """Runtime.defer: each item runs once, in order, in the loop thread, once a step went
+    to the worker and before that step's end; with no time budget, one item a step; a
+    failing item is logged and serving goes on."""
     import threading
+
+    from executor import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "BACKGROUND_BUDGET_S", 0.0)
 
     async def run():
         runtime = Runtime(ReferenceBackend.from_dir(tiny_model_dir()), renderer.tokenizer, POLICY)
-        spans: list[tuple[float, float]] = []
+        ends: list[float] = []
         inner = runtime._stepper.run
 
-        def slow(plan):
-            t0 = time.monotonic()
-            time.sleep(0.05)
+        def timed(plan):
             out = inner(plan)
-            spans.append((t0, time.monotonic()))
+            ends.append(time.monotonic())
             return out
 
-        runtime._stepper.run = slow
-        ran: list[tuple[float, str]] = []
+        runtime._stepper.run = timed
+        ran: list[tuple[str, int, float, str]] = []
+
+        def item(name):
+            return lambda: ran.append((name, len(ends), time.monotonic(), threading.current_thread().name))
+
         await runtime.start()
         try:
+            runtime.defer(item("a"))
             runtime.defer(lambda: 1 / 0)
-            runtime.defer(lambda: ran.append((time.monotonic(), threading.current_thread().name)))
-            await _collect(runtime.submit(_job(renderer, max_tokens=2)))
+            runtime.defer(item("b"))
+            done = await _collect(runtime.submit(_job(renderer, max_tokens=4)))
         finally:
             await runtime.close()
-        return spans, ran
+        return ends, ran, done
 
-    spans, ran = asyncio.run(run())
-    assert len(ran) == 1 and ran[0][1] == threading.main_thread().name
-    assert spans[0][0] < ran[0][0] < spans[0][1]  # during the first step (the prompt's chunk)
-    assert len(spans) >= 2  # the failing work stopped nothing: the reply's decode step ran
+    ends, ran, done = asyncio.run(run())
+    assert done[1].completion_tokens == 4 and len(ends) >= 4  # the failing item stopped nothing
+    assert [name for name, *_ in ran] == ["a", "b"]
+    assert all(thread == threading.main_thread().name for *_, thread in ran)
+    # "a" with the first step, the failing item with the second, "b" with the third
+    assert [steps_done for _, steps_done, _, _ in ran] == [0, 2]
+    assert ran[0][2] < ends[0] and ran[1][2] < ends[2]
 
 
 def test_the_engine_prewarms_each_chat_request_s_history(renderer):
     """serve_engine defers the prewarm of every chat job it accepts (bound to its own
-    renderer), and of nothing else; a ChatContinuation prewarm leaves only the reply's
-    blocks for the call at the reply's end, with the same ids as a cold render."""
+    renderer, with the job's prompt ids), and of nothing else; a ChatContinuation prewarm
+    tokenizes nothing and leaves only the reply's blocks for the call at the reply's end,
+    with the same ids as a cold render."""
     import multiprocessing
 
     from executor.engine import EngineInfo, serve_engine
@@ -390,13 +402,20 @@ def test_the_engine_prewarms_each_chat_request_s_history(renderer):
 
     runtime = asyncio.run(run())
     assert len(runtime.jobs) == 2 and len(runtime.deferred) == 1
-    assert runtime.deferred[0].__self__.renderer is renderer  # bound to the engine's renderer
+    prewarm = runtime.deferred[0]
+    assert prewarm.func.__self__.renderer is renderer  # bound to the engine's renderer
+    assert prewarm.args == (runtime.jobs[0].prompt_ids,)
 
+    job = _job(renderer)
+    cold = attrs.evolve(job.continuation, renderer=ChatRenderer(renderer.tokenizer, renderer.template))("Sunny, 20 C.")
     fresh = ChatRenderer(renderer.tokenizer, renderer.template)
-    cont = attrs.evolve(_job(renderer).continuation, renderer=fresh)
-    cold = attrs.evolve(cont, renderer=ChatRenderer(renderer.tokenizer, renderer.template))("Sunny, 20 C.")
-    cont.prewarm()
-    misses = fresh._blocks.misses
+    cont = attrs.evolve(job.continuation, renderer=fresh)
+    cont.prewarm(job.prompt_ids)
+    assert fresh._blocks.misses == 0  # learned from the ids: nothing tokenized
     warm = cont("Sunny, 20 C.")
     assert warm.token_ids == cold.token_ids and warm.starts == cold.starts
-    assert fresh._blocks.misses - misses == 2  # the reply's block and the next message's probe
+    assert fresh._blocks.misses == 2  # the reply's block and the next message's probe
+    # ids that do not line up with the text's blocks teach nothing
+    other = ChatRenderer(renderer.tokenizer, renderer.template)
+    attrs.evolve(job.continuation, renderer=other).prewarm(job.prompt_ids[1:])
+    assert len(other._blocks) == 0

@@ -325,6 +325,31 @@ def test_backend_error_fails_only_that_request(model):
     assert (good.reason, good.text, good.completion_tokens) == ("stop", "fine", 2)
 
 
+def test_a_failed_keep_keeps_nothing_and_fails_no_request(model, monkeypatch):
+    """A snapshot that raises (the device out of memory for the copy) costs the cache that
+    state, not the request: the reply completes, and the same prompt again finds nothing
+    kept (cached_tokens 0) instead of a state without a payload."""
+    _, tok, _ = model
+    failures = []
+
+    def failing_snapshot(self, state):
+        failures.append(state.rows)
+        raise MemoryError("planted: no device memory for the keep")
+
+    monkeypatch.setattr(Scripted, "snapshot", failing_snapshot)
+
+    async def jobs(runtime, trace):
+        first = await _collect(runtime.submit(_job(tok, max_tokens=2)))
+        again = await _collect(runtime.submit(_job(tok, max_tokens=2)))
+        return first[1], again[1]
+
+    (first, again), events = _run_jobs(model, _ids(tok, "fine"), jobs)
+    assert failures  # the keeps ran, and raised
+    assert (first.reason, first.text, first.completion_tokens) == ("stop", "fine", 2)
+    assert (again.reason, again.text, again.cached_tokens) == ("stop", "fine", 0)
+    assert not any(e["kind"] == "request_finished" and e["reason"] not in ("stop", "length") for e in events)
+
+
 def test_two_runtimes_give_identical_results(model):
     backend, tok, _ = model
     job = _job(tok, max_tokens=6, sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7)

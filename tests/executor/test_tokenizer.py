@@ -135,6 +135,26 @@ def test_block_encoder_tokenizes_only_new_blocks(ours):
     assert enc.encode("") == []
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=_BLOCK_TEXT)
+def test_block_encoder_learns_blocks_from_their_ids(ours, text):
+    """learn(text, ids of text) tokenizes nothing; encoding text afterwards finds every block
+    and gives the same ids. Ids whose marker count differs from the text's blocks (the
+    first marker dropped) teach nothing."""
+    ids = ours.encode(text, add_special_tokens=False).ids
+    enc = BlockEncoder(ours, MARKER)
+    enc.learn(text, ids)
+    assert (enc.hits, enc.misses) == (0, 0)
+    assert enc.encode(text) == ids and enc.misses == 0
+    marker_id = ours.token_to_id(MARKER)
+    if marker_id in ids:
+        other = BlockEncoder(ours, MARKER)
+        short = list(ids)
+        del short[short.index(marker_id)]
+        other.learn(text, short)
+        assert len(other) == 0
+
+
 def test_block_encoder_forgets_the_least_recently_used(ours):
     enc = BlockEncoder(ours, MARKER, max_chars=40)
     texts = [f"<|im_start|>user\nmessage {i}<|im_end|>\n" for i in range(6)]  # 32 to 33 chars each

@@ -137,3 +137,20 @@ def test_prune_stops_at_the_first_bucket_no_faster_than_the_eager_chunk_below(mo
     g = _Captures((16, 32), {16: (2 * ms, 1 * ms), 32: (3 * ms, 2 * ms)})
     g.prepare(prune=True)
     assert g.buckets == (16,) and set(g.pruned) == {32}
+
+
+def test_median_seconds_times_each_run_until_the_device_is_done():
+    """TIMED_RUNS runs, each timed through its stream's synchronize: the median of them."""
+    import time
+
+    waits = iter([0.030, 0.001, 0.010])
+    synced = []
+
+    class Stream:
+        def synchronize(self):
+            time.sleep(next(waits))
+            synced.append(1)
+
+    seconds = graphs._median_seconds(lambda: None, Stream())
+    assert graphs.TIMED_RUNS == 3 and len(synced) == 3
+    assert 0.010 <= seconds < 0.025  # the middle one, not the first or the mean
