@@ -9,8 +9,9 @@ the loop shares), and a replay of the same run with the server's own step costs 
 fitted to that run) brought the simulator's TTFT error from 22.9% to 10.0% (bench/RESULTS.md,
 session 10).
 
-How: start `python -m executor.serve --prompt-cache-gib 4 ARGS --trace DIR/trace.jsonl` with a
-policy whose marks and chunks are `chunk_rows` apart, and read the step file it writes beside the trace
+How: start `python -m executor.serve ARGS --trace DIR/trace.jsonl` with a policy whose marks
+and chunks are `chunk_rows` apart and whose prompt cache is PROMPT_CACHE_GIB (a
+--prompt-cache-gib in ARGS overrides it), and read the step file it writes beside the trace
 (`trace.jsonl.steps.jsonl`: each step's seconds in the backend worker, `ran_s`, and its phases):
 - prefill (R rows after C rows): one request at a time, one token out. C = 0: a prompt of R
   random token ids. C > 0: first a prompt of C + 1 random ids (untimed; it keeps its state at
@@ -76,7 +77,7 @@ from policy.shape import state_bytes
 from sim.cost import Grid, HostCost, Profile, TableCost, load_profile, profile_to_dict
 
 PROMPT_CACHE_GIB = 4
-"""The server's prompt cache budget unless --server-args sets one: room for the longest
+"""The server policy's prompt cache budget, GiB (--server-args may override it): room for the longest
 context's kept prefix and a few points. Not the 64 GiB default: the store counts a kept
 state's own K/V rows, while the GPU backend keeps every state whole, so device memory runs
 several times the budget when states share a prefix, as every point at one context does (a
@@ -305,18 +306,23 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
                     for line in prefill_raw)
     decode = tuple(tuple(point(lambda b, n=n: decode_steps(b, n), i, 1, f"decode step of {n} lanes at context {c}")
                          for n, c, i in line) for line in decode_raw)
+    log("  ms at context " + " ".join(f"{c:>8}" for c in grid.contexts)
+        + "  (as measured; the profile's tables are made non-decreasing)")
     for name, values, table in (("prefill", grid.rows, prefill), ("decode", grid.lanes, decode)):
+        unit = "rows" if name == "prefill" else "lanes"
         for v, line in zip(values, table):
-            log(f"  {name} {v:>5}: " + " ".join(f"{s * 1e3:8.2f}" for s in line) + " ms")
+            log(f"  {name} {v:>5} {unit}: " + " ".join(f"{s * 1e3:8.2f}" for s in line))
     return Served(prefill=prefill, decode=decode, host=host_terms(batches, handoff), handoff_s=handoff,
                   steps=len(used))
 
 
 def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, command: str,
-               server_args: Sequence[str]) -> Profile:
+               server_args: Sequence[str], served_model: str = "") -> Profile:
     """The measured Profile: the server's tables and loop time, the base profile's keep,
     restore, copy rate, shape and invariant rows. Raises ValueError when the base profile
-    has no measured table cost (keep and restore curves)."""
+    has no measured table cost (keep and restore curves). The gpu, model, shape and invariant
+    rows are the base's too: measure against the base's model shape on the base's GPU (the
+    server's own model id goes to the provenance as served_model)."""
     if not isinstance(base.cost, TableCost):
         raise ValueError(f"--base {base.name}: needs a measured (table) profile for its keep and restore curves")
     rows, ctx, lanes = (tuple(map(float, v)) for v in (grid.rows, grid.contexts, grid.lanes))
@@ -329,7 +335,7 @@ def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, comman
              f"lanes and chunks; keep, restore, copy rate: from {base.name}")
     provenance = (("backend", "server"), ("command", command), ("server_args", " ".join(server_args)),
                   ("commit", git_commit()), ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
-                  ("base", base.name), ("steps", str(served.steps)))
+                  ("base", base.name), ("served_model", served_model), ("steps", str(served.steps)))
     return Profile(name=name, source="measured", gpu=base.gpu, model=base.model, shape=base.shape,
                    invariant_rows=base.invariant_rows, cost=cost, notes=notes, provenance=provenance)
 
@@ -358,10 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     policy = args.out / "policy.toml"
     policy.write_text(format_policy(policy_from_dict({"max_chunk_rows": grid.chunk_rows, "grid_rows": grid.chunk_rows,
-                                                      "lanes": max(grid.lanes)})))
+                                                      "lanes": max(grid.lanes),
+                                                      "prompt_cache_bytes": PROMPT_CACHE_GIB << 30})))
     trace = args.out / "trace.jsonl"
-    server_args = ["--prompt-cache-gib", str(PROMPT_CACHE_GIB), *shlex.split(args.server_args), "--policy", str(policy),
-                   "--context", str(grid.context_rows), "--trace", str(trace)]
+    server_args = [*shlex.split(args.server_args), "--policy", str(policy), "--context", str(grid.context_rows),
+                   "--trace", str(trace)]
     command = " ".join(["python -m bench.serve_profile", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
     proc = None
@@ -378,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if proc is not None:
             stop_server(proc, 30.0)
-    profile = to_profile(served, grid, base, args.name, command, server_args)
+    profile = to_profile(served, grid, base, args.name, command, server_args, model)
     path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
     h = served.host

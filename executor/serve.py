@@ -149,9 +149,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=d.decode_graphs,
                     help="GPU: replay decode rounds as CUDA graphs (default: %(default)s)")
     ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=d.prefill_graphs,
-                    help="GPU: replay prefill chunks as CUDA graphs, padded to 16, 32, ..., 1024 rows, up to "
-                         "the first size where a graph is not faster than eager launches (timed at start; "
-                         "default: %(default)s)")
+                    help="GPU: replay prefill chunks as CUDA graphs, padded to 16, 32, ..., 1024 rows; sizes from "
+                         "the first whose replay is not faster than the eager chunk of the size below launch "
+                         "eagerly (timed at start); needs the tensor-core delta rule and the fused attention "
+                         "(default: %(default)s)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                     help="run the scheduler and the backend in their own process, apart from HTTP "
                          "(default: %(default)s)")
