@@ -22,7 +22,7 @@ from sim.api import (
     load_workload,
     simulate,
 )
-from sim.cost import load_profile
+from sim.cost import coverage_note, load_profile
 from sim.invariants import InvariantBroken
 from sim.summary import format_table, format_value, summary_table
 
@@ -78,6 +78,10 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"policy {args.policy or 'default'}, profile {profile.name} ({profile.source}), "
           f"invariant_rows {facts.invariant_rows}")
     print(summary_table(report.metrics))
+    longest = max((len(t.prompt) for c in workload.conversations for t in c.turns), default=0)
+    note = coverage_note(profile, cfg.max_chunk_rows, longest)
+    if note:
+        print(note)
     if workload.ideal_reuse is not None:
         print(f"ideal reuse of this trace (unlimited cache, 512-row blocks): {workload.ideal_reuse:.1%}")
     checked = "skipped" if args.no_check else f"held on all {report.events:,} events"

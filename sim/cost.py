@@ -336,6 +336,29 @@ class Profile:
         return self.keep_s(nbytes)
 
 
+def coverage_note(profile: Profile, chunk_rows: int, prompt_rows: int) -> str | None:
+    """A line saying that a run goes past a table profile's measured points, or None.
+
+    chunk_rows: the policy's longest prefill chunk; prompt_rows: the workload's longest
+    prompt (rows). A table prices a chunk longer than its last row point, or after more
+    context than its last context point, by extending its last segment (`Grid.at`), which
+    is a guess past the measured range (a tiny CPU-measured profile gave TTFTs of minutes
+    on a chat workload). Analytic profiles cover everything: None.
+    """
+    c = profile.cost
+    if not isinstance(c, TableCost):
+        return None
+    rows, context = int(c.prefill.x[-1]), int(c.prefill.y[-1])
+    past = []
+    if chunk_rows > rows:
+        past.append(f"chunks of up to {chunk_rows:,} rows (measured: {rows:,})")
+    if prompt_rows > context + min(chunk_rows, rows):
+        past.append(f"prompts of up to {prompt_rows:,} rows (measured: context {context:,} + a chunk)")
+    if not past:
+        return None
+    return f"note: profile {profile.name}'s tables are extended past their points for " + " and ".join(past)
+
+
 def _cost_from_dict(obj: Any) -> AnalyticCost | TableCost:
     where = "cost."
     form = obj.get("form") if isinstance(obj, dict) else None

@@ -336,3 +336,15 @@ def test_a_shape_field_of_the_wrong_type_is_named(tmp_path):
     d["shape"]["linear_layers"] = "x"
     with pytest.raises(ValueError, match=r"^shape\.linear_layers: must be an integer, got 'x'$"):
         profile_from_dict(d)
+
+
+def test_coverage_note_names_what_a_run_takes_past_a_table():
+    from sim.cost import coverage_note
+
+    table = load_profile("qwen3.5-2b-h200")  # rows to 4096, context to 32768
+    assert coverage_note(table, 4096, 32768 + 4096) is None
+    note = coverage_note(table, 8192, 40000)
+    assert "chunks of up to 8,192 rows (measured: 4,096)" in note
+    assert "prompts of up to 40,000 rows (measured: context 32,768 + a chunk)" in note
+    assert coverage_note(table, 4096, 40000).count("up to") == 1
+    assert coverage_note(load_profile("qwen3.5-2b-h200-roofline"), 10**6, 10**7) is None  # analytic: no points
