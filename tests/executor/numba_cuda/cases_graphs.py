@@ -139,18 +139,16 @@ def test_prune_stops_at_the_first_bucket_no_faster_than_the_eager_chunk_below(mo
     assert g.buckets == (16,) and set(g.pruned) == {32}
 
 
-def test_median_seconds_times_each_run_until_the_device_is_done():
-    """TIMED_RUNS runs, each timed through its stream's synchronize: the median of them."""
-    import time
-
+def test_median_seconds_times_each_run_until_the_device_is_done(monkeypatch):
+    """TIMED_RUNS runs, each timed through its stream's synchronize: the median of them
+    (a fake clock that the device's waits advance: 30, 1 and 10 ms)."""
+    now = [0.0]
     waits = iter([0.030, 0.001, 0.010])
-    synced = []
 
     class Stream:
         def synchronize(self):
-            time.sleep(next(waits))
-            synced.append(1)
+            now[0] += next(waits)
 
-    seconds = graphs._median_seconds(lambda: None, Stream())
-    assert graphs.TIMED_RUNS == 3 and len(synced) == 3
-    assert 0.010 <= seconds < 0.025  # the middle one, not the first or the mean
+    monkeypatch.setattr(graphs.time, "perf_counter", lambda: now[0])
+    assert graphs.TIMED_RUNS == 3
+    assert graphs._median_seconds(lambda: None, Stream()) == pytest.approx(0.010)  # the middle one, not the mean
