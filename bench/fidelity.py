@@ -58,6 +58,7 @@ from bench.fidelity_report import (
     read_trace,
     report_json,
     report_lines,
+    keep_lines,
     step_split_lines,
     trace_facts,
 )
@@ -192,7 +193,8 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
                      f"{gaps[len(gaps) // 2] * 1e3:.1f} ms, max {gaps[-1] * 1e3:.1f} ms")
     steps_path = out / "server_trace.jsonl.steps.jsonl"
     if steps_path.is_file():
-        lines += step_split_lines(read_trace(steps_path), profile)
+        steps = read_trace(steps_path)
+        lines += step_split_lines(steps, profile) + keep_lines(server_events, steps, profile)
     failed = [r for r in records if r.get("status") != 200]
     missing = [r for r in comparison.rows if r.server is None or r.sim is None]
     code = 0 if comparison.all_cached_equal and not failed and not missing else 1

@@ -19,6 +19,8 @@ from typing import Any
 
 import attrs
 
+from policy.shape import state_bytes
+
 Key = tuple[str, int]
 """(client conversation id, turn index) of one request."""
 
@@ -360,11 +362,27 @@ def busy_gaps(steps: Iterable[dict[str, Any]]) -> list[float]:
     return [g for g in gaps if 0 <= g < BUSY_GAP_S]
 
 
+def keep_lines(trace: Iterable[dict[str, Any]], steps: Iterable[dict[str, Any]], profile) -> list[str]:
+    """The server's keeps against the profile's price for them: the keep phases of the step
+    records summed, beside the profile's keep seconds (`Profile.keep_s`) at the bytes of
+    every `state_kept` row of the server's trace, as the simulator charges them. Empty
+    without keeps or step records."""
+    kept = [e["row"] for e in trace if e.get("kind") == "state_kept"]
+    server = [e["phases"]["keep"] for e in steps if e.get("kind") == "step" and "keep" in e["phases"]]
+    if not kept or not server:
+        return []
+    model = sum(profile.keep_s(state_bytes(profile.shape, row)) for row in kept)
+    return [f"  keeps ({len(kept)}): server {sum(server) * 1e3:.1f} ms in all (median {median(server) * 1e3:.2f}), "
+            f"profile {model * 1e3:.1f} ms by bytes; server / profile {sum(server) / model:.2f}x"]
+
+
 def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     """Where the server's step time went against what the profile charges for the same steps:
     for the `step` records of the server's step file (executor.runtime writes them beside
-    the trace) of two kinds, prefill-only
-    steps (a chunk, no decode lanes) and decode-only steps (by lanes), the median of the
+    the trace) of three kinds, prefill-only
+    steps (a chunk, no decode lanes), steps with a chunk and decode lanes (less their keep
+    and restore phases; median, and the sum over the profile's sum) and decode-only steps
+    (by lanes), the median of the
     step's seconds in the worker and of each phase, beside the median of the profile's
     seconds for the same steps (prefill: prefill_s(rows, start) + host_s(restored lanes,
     chunk), as sim.loop charges a step; decode: the round at context 0 + host_s(lanes); the
@@ -395,6 +413,16 @@ def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
         lines.append(f"  between steps while busy (gap < {BUSY_GAP_S * 1e3:.0f} ms, {len(busy)}): loop median "
                      f"{median(busy) * 1e6:.0f} us; the profile's host terms charge {profile.host_s(0, False) * 1e6:.0f} "
                      f"us a step (step_s, with the steps' worker hand-off)")
+    mixed = [e for e in steps if e["prefill_rows"] and e["decode"]]
+    if mixed:
+        copies = ("keep", "restore")
+        server = [e["ran_s"] - sum(e["phases"].get(p, 0.0) for p in copies) for e in mixed]
+        model = [profile.prefill_s(e["prefill_rows"], e["prefill_start"])
+                 + profile.decode_round_s(e["decode"], [0] * e["decode"])
+                 + profile.host_s(e["decode"] + e["restores"], True) for e in mixed]
+        lines.append(f"  steps with a chunk and decode lanes ({len(mixed)}), less their keep and restore: server "
+                     f"{median(server) * 1e3:.2f}, profile {median(model) * 1e3:.2f} (chunk + round at context 0 + "
+                     f"host); in all {sum(server) / sum(model):.2f}x")
     for lanes, group in sorted(by_lanes.items()):
         model = profile.decode_round_s(lanes, [0] * lanes) + profile.host_s(lanes, False)
         lines.append(f"  decode-only steps, {lanes} lanes ({len(group)}): server "
