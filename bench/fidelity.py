@@ -194,7 +194,7 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
     steps_path = out / "server_trace.jsonl.steps.jsonl"
     if steps_path.is_file():
         steps = read_trace(steps_path)
-        lines += step_split_lines(steps, profile) + keep_lines(server_events, steps, profile)
+        lines += step_split_lines(steps, profile) + keep_lines(steps, profile)
     failed = [r for r in records if r.get("status") != 200]
     missing = [r for r in comparison.rows if r.server is None or r.sim is None]
     code = 0 if comparison.all_cached_equal and not failed and not missing else 1

@@ -362,16 +362,17 @@ def busy_gaps(steps: Iterable[dict[str, Any]]) -> list[float]:
     return [g for g in gaps if 0 <= g < BUSY_GAP_S]
 
 
-def keep_lines(trace: Iterable[dict[str, Any]], steps: Iterable[dict[str, Any]], profile) -> list[str]:
+def keep_lines(steps: Iterable[dict[str, Any]], profile) -> list[str]:
     """The server's keeps against the profile's price for them: the keep phases of the step
-    records summed, beside the profile's keep seconds (`Profile.keep_s`) at the bytes of
-    every `state_kept` row of the server's trace, as the simulator charges them. Empty
-    without keeps or step records."""
-    kept = [e["row"] for e in trace if e.get("kind") == "state_kept"]
-    server = [e["phases"]["keep"] for e in steps if e.get("kind") == "step" and "keep" in e["phases"]]
-    if not kept or not server:
+    records summed, beside the profile's keep seconds (`Profile.keep_s`) at the bytes of each
+    such step's kept row (a keep sits at its chunk's end: prefill_start + prefill_rows), as
+    the simulator charges every keep its pass makes (whether the store kept it anew or not).
+    Empty without keeps."""
+    kept = [e for e in steps if e.get("kind") == "step" and "keep" in e["phases"] and e["prefill_rows"]]
+    if not kept:
         return []
-    model = sum(profile.keep_s(state_bytes(profile.shape, row)) for row in kept)
+    server = [e["phases"]["keep"] for e in kept]
+    model = sum(profile.keep_s(state_bytes(profile.shape, e["prefill_start"] + e["prefill_rows"])) for e in kept)
     return [f"  keeps ({len(kept)}): server {sum(server) * 1e3:.1f} ms in all (median {median(server) * 1e3:.2f}), "
             f"profile {model * 1e3:.1f} ms by bytes; server / profile {sum(server) / model:.2f}x"]
 
@@ -380,8 +381,8 @@ def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
     """Where the server's step time went against what the profile charges for the same steps:
     for the `step` records of the server's step file (executor.runtime writes them beside
     the trace) of three kinds, prefill-only
-    steps (a chunk, no decode lanes), steps with a chunk and decode lanes (less their keep
-    and restore phases; median, and the sum over the profile's sum) and decode-only steps
+    steps (a chunk, no decode lanes), steps with a chunk and decode lanes (less the keep
+    phase and the profile's restore; median, and the sum over the profile's sum) and decode-only steps
     (by lanes), the median of the
     step's seconds in the worker and of each phase, beside the median of the profile's
     seconds for the same steps (prefill: prefill_s(rows, start) + host_s(restored lanes,
@@ -415,12 +416,17 @@ def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:
                      f"us a step (step_s, with the steps' worker hand-off)")
     mixed = [e for e in steps if e["prefill_rows"] and e["decode"]]
     if mixed:
-        copies = ("keep", "restore")
-        server = [e["ran_s"] - sum(e["phases"].get(p, 0.0) for p in copies) for e in mixed]
+        # less the keep phase and the profile's whole restore (the restore phase is only the
+        # launch of its copies; their device time sits in forward), as bench/serve_profile does
+        def restore_s(e: dict[str, Any]) -> float:
+            restored = "restore" in e["phases"]
+            return profile.restore_s(state_bytes(profile.shape, e["prefill_start"])) if restored else 0.0
+
+        server = [e["ran_s"] - e["phases"].get("keep", 0.0) - restore_s(e) for e in mixed]
         model = [profile.prefill_s(e["prefill_rows"], e["prefill_start"])
                  + profile.decode_round_s(e["decode"], [0] * e["decode"])
                  + profile.host_s(e["decode"] + e["restores"], True) for e in mixed]
-        lines.append(f"  steps with a chunk and decode lanes ({len(mixed)}), less their keep and restore: server "
+        lines.append(f"  steps with a chunk and decode lanes ({len(mixed)}), less keep and restore: server "
                      f"{median(server) * 1e3:.2f}, profile {median(model) * 1e3:.2f} (chunk + round at context 0 + "
                      f"host); in all {sum(server) / sum(model):.2f}x")
     for lanes, group in sorted(by_lanes.items()):

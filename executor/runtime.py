@@ -404,10 +404,10 @@ class Runtime:
     def _apply(self, effects: list[object], snapshot: payloads.Payload | None = None) -> None:
         for e in effects:
             if isinstance(e, Kept):
-                if snapshot is None:
-                    log.warning("keep_without_snapshot", entry=e.entry.id, row=e.entry.row)
-                    if e.entry.live and e.entry.pins == 0:
-                        self.scheduler.store.evict(e.entry)
+                if snapshot is None:  # the snapshot failed: the scheduler takes the keep back
+                    held = e.entry.payload is not None  # kept before; this keep only added logits
+                    log.warning("keep_without_snapshot", entry=e.entry.id, row=e.entry.row, held=held)
+                    self._apply(self.scheduler.unkeep(e.entry, self.now(), held=held))
                     continue
                 assert snapshot.rows == e.entry.row, "snapshot row differs from the kept row"
                 e.entry.payload = snapshot

@@ -430,16 +430,33 @@ class Scheduler:
             return self._finish(stream, now, "length")
         return []
 
+    def unkeep(self, entry: Entry, now: float, *, held: bool) -> list[object]:
+        """The executor could not snapshot the state a `Kept` effect asked for (out of device
+        memory, say). held: the entry already held a snapshot, without logits, and the keep
+        only added them: it stays, without logits. Otherwise it is evicted now (events and
+        `Evicted` effects as any eviction), unless a pass pins it (then nothing changes and
+        a resume from it fails that pass, as a missing payload does). Returns the effects."""
+        if held:
+            self.store.drop_logits(entry)
+            return []
+        if not entry.live or entry.pins:
+            return []
+        return self._evicted(self.store.evict(entry), now)
+
+    def _evicted(self, evictions, now: float) -> list[object]:
+        effects: list[object] = []
+        for e in evictions:
+            self._emit(ev.StateEvicted(t=now, entry=e.entry.id, row=e.entry.row,
+                                       bytes=e.bytes, how=e.kind.value))
+            effects.append(Evicted(e.entry, e.kind))
+        return effects
+
     def _keep(self, p: _Pass, keep: KeepRow, now: float) -> list[object]:
         fp = p.fingerprint(keep.row, self.facts)
         result: KeepResult = self.store.keep(
             p.prompt, keep.row, fp, has_logits=keep.with_logits,
             value_s=self._value_s(keep.row), now_s=now)
-        effects: list[object] = []
-        for e in result.evicted:
-            self._emit(ev.StateEvicted(t=now, entry=e.entry.id, row=e.entry.row,
-                                       bytes=e.bytes, how=e.kind.value))
-            effects.append(Evicted(e.entry, e.kind))
+        effects: list[object] = self._evicted(result.evicted, now)
         if result.entry is None:
             self._emit(ev.KeepRefused(t=now, stream=p.stream, conversation=p.conversation,
                                       row=keep.row, reason=result.reason))

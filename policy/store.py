@@ -255,6 +255,12 @@ class Store:
         self.bytes_peak = max(self.bytes_peak, self.bytes_used)
         return KeepResult(entry, tuple(evicted), "kept")
 
+    def drop_logits(self, entry: Entry) -> None:
+        """A live entry no longer holds its last row's logits (an executor could not add
+        them: see `Scheduler.unkeep`); nothing else about it changes."""
+        assert entry.live, "dropping the logits of a ghost"
+        entry.has_logits = False
+
     def evict(self, entry: Entry) -> tuple[Eviction, ...]:
         """Evict one live, unpinned entry now; returns what was let go (it and freed ghosts)."""
         assert entry.live and entry.pins == 0, "evicting a pinned or ghost entry"

@@ -202,7 +202,7 @@ def test_step_split_against_the_profile(tmp_path):
     # the mixed step: 50 ms against the profile's chunk (1 row at context 0) + round (2 lanes at
     # context 0) + host (1 ms a step + 2 lanes x 2 ms), as sim.loop charges such a step
     mixed = profile.prefill_s(1, 0) + profile.decode_round_s(2, [0, 0]) + profile.host_s(2, True)
-    assert lines[2] == (f"  steps with a chunk and decode lanes (1), less their keep and restore: server 50.00, "
+    assert lines[2] == (f"  steps with a chunk and decode lanes (1), less keep and restore: server 50.00, "
                         f"profile {mixed * 1e3:.2f} (chunk + round at context 0 + host); in all "
                         f"{0.050 / mixed:.2f}x")
     assert lines[3].startswith("  decode-only steps, 2 lanes (1): server 12.00, profile at context 0 13.67")
@@ -217,23 +217,25 @@ def test_step_split_against_the_profile(tmp_path):
     assert step_split_lines([ev("chunk_done", 1.0, stream=1)], profile) == []
 
 
-def test_keep_lines_price_the_server_s_kept_rows_by_bytes(tmp_path):
-    """Two keeps in the trace at rows 64 and 128; the step records' keep phases sum to 3 ms:
-    the line sets them beside the profile's keep_s at those rows' bytes."""
+def test_keep_lines_price_every_keep_at_its_chunk_end_by_bytes(tmp_path):
+    """Keeps at the ends of chunks [0, 64) and [64, 128) (one may have found its state kept
+    already: the simulator charges it all the same): keep phases 1 + 2 ms beside the
+    profile's keep_s at rows 64 and 128; a step without a keep does not count."""
     from policy.shape import state_bytes
     from sim.cost import load_profile
 
     profile = load_profile(tiny_profile(tmp_path / "tiny.json"))
-    trace = [ev("state_kept", 1.0, row=64), ev("state_kept", 2.0, row=128), ev("chunk_done", 2.0, stream=1)]
     steps = [ev("step", 1.0, ran_s=0.01, phases={"forward": 0.008, "keep": 0.001}, prefill_rows=64,
                 prefill_start=0, restores=0, decode=0),
              ev("step", 2.0, ran_s=0.01, phases={"forward": 0.007, "keep": 0.002}, prefill_rows=64,
-                prefill_start=64, restores=0, decode=0)]
+                prefill_start=64, restores=0, decode=0),
+             ev("step", 3.0, ran_s=0.01, phases={"decode": 0.009}, prefill_rows=0, prefill_start=None,
+                restores=0, decode=1)]
     model = sum(profile.keep_s(state_bytes(profile.shape, r)) for r in (64, 128))
-    assert keep_lines(trace, steps, profile) == [
+    assert keep_lines(steps, profile) == [
         f"  keeps (2): server 3.0 ms in all (median 1.50), profile {model * 1e3:.1f} ms by bytes; "
         f"server / profile {0.003 / model:.2f}x"]
-    assert keep_lines(trace, [], profile) == [] and keep_lines([], steps, profile) == []
+    assert keep_lines(steps[2:], profile) == []
 
 
 def test_fidelity_against_the_tiny_server(tmp_path, capsys):

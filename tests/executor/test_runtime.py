@@ -350,6 +350,37 @@ def test_a_failed_keep_keeps_nothing_and_fails_no_request(model, monkeypatch):
     assert not any(e["kind"] == "request_finished" and e["reason"] not in ("stop", "length") for e in events)
 
 
+def test_a_failed_keep_is_taken_back_by_the_scheduler(model):
+    """runtime._apply of a Kept effect without a snapshot (the snapshot raised):
+    - the keep only added logits to an entry that holds a snapshot without them (a cold
+      pass ending where an earlier pass kept): the entry stays, without logits, so no later
+      identical prompt takes it for a full hit whose first token has no logits;
+    - a new entry: evicted through the scheduler, so the trace says so (state_evicted) and
+      the store's bytes go back."""
+    from executor.payloads import Payload
+    from policy.prefix import Prompt
+    from policy.work import Kept
+
+    backend, tok, _ = model
+    trace = io.StringIO()
+    runtime = Runtime(Scripted(backend, [0]), tok, CFG, trace=trace)
+    store = runtime.scheduler.store
+    a = Prompt.from_tokens(list(range(100, 148)))
+    first = store.keep(a, 32, (), has_logits=False, value_s=1.0, now_s=0.0).entry
+    first.payload = Payload(snapshot=None, rows=32, logits=None, bytes=0)
+    assert store.keep(a, 32, (), has_logits=True, value_s=1.0, now_s=1.0).reason == "logits_added"
+    runtime._apply([Kept(0, first)], None)
+    assert first.live and not first.has_logits and first.payload is not None
+
+    used = store.bytes_used
+    fresh = store.keep(Prompt.from_tokens(list(range(200, 248))), 48, (), has_logits=True, value_s=1.0,
+                       now_s=2.0).entry
+    assert store.bytes_used > used
+    runtime._apply([Kept(0, fresh)], None)
+    assert not fresh.live and store.bytes_used == used
+    assert [e["entry"] for e in _events(trace) if e["kind"] == "state_evicted"] == [fresh.id]
+
+
 def test_two_runtimes_give_identical_results(model):
     backend, tok, _ = model
     job = _job(tok, max_tokens=6, sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7)
