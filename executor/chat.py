@@ -22,7 +22,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from executor.errors import CheckpointError
-from executor.tokenizer import BlockEncoder, token_id
+from executor.tokenizer import BlockEncoder, marker_rows, token_id
 
 IM_START = "<|im_start|>"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -273,19 +273,6 @@ def render_text_jinja(
         )
     except jinja2.TemplateError as exc:
         raise ChatError(f"chat template: {exc}") from None
-
-
-def marker_rows(ids: Sequence[int], marker: int) -> tuple[int, ...]:
-    """The rows of `ids` that hold `marker`, ascending: a chat's request starts. Scans with
-    tuple.index (in C), which made a 3,200-row continuation's render ~2x faster than a
-    Python loop over every id (it runs inside a step when a reply ends)."""
-    rows, row = [], -1
-    try:
-        while True:
-            row = ids.index(marker, row + 1)
-            rows.append(row)
-    except ValueError:
-        return tuple(rows)
 
 
 @attrs.frozen(slots=True)

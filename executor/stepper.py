@@ -133,7 +133,7 @@ class Stepper:
         """Run one step; a backend exception is returned in `Outcome.error`, not raised. A
         keep whose snapshot raises (the device out of memory for the copy, say) is logged and
         leaves `Outcome.snapshot` None: the step and its requests go on, and the runtime
-        drops the entry it would have filled (`keep_without_snapshot`)."""
+        hands the keep back to the scheduler (`Scheduler.unkeep`)."""
         out = Outcome()
         t0 = time.perf_counter()
         try:

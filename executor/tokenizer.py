@@ -308,12 +308,16 @@ class BlockEncoder:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def _split(self, text: str) -> list[str]:
+        """text's blocks: up to the first marker (when not empty), then from each marker on."""
+        parts = text.split(self.marker)
+        return ([parts[0]] if parts[0] else []) + [self.marker + part for part in parts[1:]]
+
     def encode(self, text: str) -> list[int]:
         """The token ids of `text` (as `tokenizer.encode(text, add_special_tokens=False).ids`)."""
         if not self.enabled:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        parts = text.split(self.marker)
-        blocks = ([parts[0]] if parts[0] else []) + [self.marker + part for part in parts[1:]]
+        blocks = self._split(text)
         with self._lock:
             found = [self._get(block) for block in blocks]
         out: list[int] = []
@@ -340,9 +344,7 @@ class BlockEncoder:
         long as `ids` are text's."""
         if not self.enabled or not text:
             return
-        parts = text.split(self.marker)
-        blocks = ([parts[0]] if parts[0] else []) + [self.marker + part for part in parts[1:]]
-        self._remember(blocks, list(ids))
+        self._remember(self._split(text), list(ids))
 
     def _get(self, block: str) -> array | None:
         ids = self._blocks.get(block)
@@ -356,15 +358,7 @@ class BlockEncoder:
     def _remember(self, blocks: list[str], ids: list[int]) -> None:
         """Cut a run's ids at the marker's id, one piece per block; remembers nothing when
         the cuts do not match the blocks."""
-        cuts = [] if blocks[0].startswith(self.marker) else [0]
-        at = 0
-        try:
-            while True:
-                at = ids.index(self.marker_id, at)
-                cuts.append(at)
-                at += 1
-        except ValueError:
-            pass
+        cuts = ([] if blocks[0].startswith(self.marker) else [0]) + list(marker_rows(ids, self.marker_id))
         if len(cuts) != len(blocks) or cuts[0] != 0:
             return
         cuts.append(len(ids))
@@ -377,6 +371,19 @@ class BlockEncoder:
             while self._chars > self.max_chars:
                 old, _ = self._blocks.popitem(last=False)
                 self._chars -= len(old)
+
+
+def marker_rows(ids: Sequence[int], marker: int) -> tuple[int, ...]:
+    """The rows of `ids` that hold the token id `marker`, ascending (a chat's request starts,
+    a block's cuts). Scans with .index (in C): ~2x faster than a Python loop over every id
+    for a 3,200-row continuation, whose render runs inside a step when a reply ends."""
+    rows, row = [], -1
+    try:
+        while True:
+            row = ids.index(marker, row + 1)
+            rows.append(row)
+    except ValueError:
+        return tuple(rows)
 
 
 def nfc(text: str) -> str:
