@@ -364,17 +364,25 @@ def busy_gaps(steps: Iterable[dict[str, Any]]) -> list[float]:
 
 def keep_lines(steps: Iterable[dict[str, Any]], profile) -> list[str]:
     """The server's keeps against the profile's price for them: the keep phases of the step
-    records summed, beside the profile's keep seconds (`Profile.keep_s`) at the bytes of each
-    such step's kept row (a keep sits at its chunk's end: prefill_start + prefill_rows), as
-    the simulator charges every keep its pass makes (whether the store kept it anew or not).
-    Empty without keeps."""
-    kept = [e for e in steps if e.get("kind") == "step" and "keep" in e["phases"] and e["prefill_rows"]]
+    records summed, beside the profile's keep seconds (`Profile.keep_s`) at the bytes each
+    such step's keep copied (its record's keep_bytes, as the simulator charges a keep's
+    `KeepCopy`; records from before keep_bytes: the whole state at the kept row, the chunk's
+    end). Keeps that copied no device bytes (logits added: the simulator charges nothing)
+    are left out. Empty without keeps."""
+    kept = [e for e in steps if e.get("kind") == "step" and "keep" in e["phases"] and e["prefill_rows"]
+            and e.get("keep_bytes", 1)]
     if not kept:
         return []
     server = [e["phases"]["keep"] for e in kept]
-    model = sum(profile.keep_s(state_bytes(profile.shape, e["prefill_start"] + e["prefill_rows"])) for e in kept)
+    model = sum(profile.keep_s(_keep_bytes(e, profile)) for e in kept)
     return [f"  keeps ({len(kept)}): server {sum(server) * 1e3:.1f} ms in all (median {median(server) * 1e3:.2f}), "
             f"profile {model * 1e3:.1f} ms by bytes; server / profile {sum(server) / model:.2f}x"]
+
+
+def _keep_bytes(step: dict[str, Any], profile) -> int:
+    if "keep_bytes" in step:
+        return int(step["keep_bytes"])
+    return state_bytes(profile.shape, step["prefill_start"] + step["prefill_rows"])
 
 
 def step_split_lines(events: Iterable[dict[str, Any]], profile) -> list[str]:

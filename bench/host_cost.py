@@ -87,9 +87,11 @@ class NullState:
 
 @attrs.frozen
 class NullPayload:
-    """A kept state on `NullBackend`: only its row count."""
+    """A kept state on `NullBackend`: its row count and the first K/V row it holds itself."""
 
     rows: int
+    kv_from: int = 0
+    ghost: bool = False
 
 
 class NullBackend:
@@ -134,16 +136,20 @@ class NullBackend:
             self._rounds[lanes] = block
         return self._rounds[lanes]
 
-    def snapshot(self, state: NullState) -> NullPayload:
+    def snapshot(self, state: NullState, base: NullPayload | None = None) -> NullPayload:
         self.calls.append(("snapshot", time.perf_counter(), 0, False))
-        return NullPayload(state.rows)
+        return NullPayload(state.rows, 0 if base is None else base.rows)
+
+    def ghost(self, payload: NullPayload) -> NullPayload:
+        return NullPayload(payload.rows, payload.kv_from, True)
 
     def restore(self, payload: NullPayload) -> NullState:
         self.calls.append(("restore", time.perf_counter(), 0, False))
         return NullState(payload.rows)
 
     def payload_bytes(self, payload: NullPayload) -> int:
-        return self.config.state_bytes(payload.rows)
+        fixed = 0 if payload.ghost else self.config.state_bytes(0)
+        return fixed + (payload.rows - payload.kv_from) * self.config.kv_bytes_per_row
 
     def state_bytes(self, state: NullState) -> int:
         return self.config.state_bytes(state.rows)

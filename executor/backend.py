@@ -57,20 +57,56 @@ class Backend(Protocol):
         """One decode round: lane i feeds token_ids[i] at its state's row P and advances
         to P + 1. Returns float32 logits [lanes, vocab]."""
 
-    def snapshot(self, state: Any) -> Any:
-        """An immutable payload of the state (the state stays usable)."""
+    def snapshot(self, state: Any, base: Any = None) -> Any:
+        """An immutable payload of the state (the state stays usable), with `.rows` and
+        `.kv_from`.
+
+        base: None, or a payload (live or ghost) of this very state's prefix, whose K/V rows
+        [0, base.rows) equal the state's (the store's parent: same tokens, same cuts; the
+        caller's guarantee, DESIGN rule 3). The payload then shares base's K/V rows and
+        copies only the fixed part and the rows [base.rows, rows); kv_from is base.rows (0
+        without a base; rows when base.rows == rows: a ghost revived). Raises ValueError when
+        base holds more rows than the state.
+        """
 
     def restore(self, payload: Any) -> Any:
-        """A fresh state equal to the one snapshotted (the payload stays reusable)."""
+        """A fresh state equal to the one snapshotted (the payload stays reusable). Raises
+        ValueError for a ghost."""
+
+    def ghost(self, payload: Any) -> Any:
+        """The payload without its fixed part and logits: not restorable, still a base whose
+        K/V rows longer payloads share (the store's evicted entry that others extend)."""
 
     def payload_bytes(self, payload: Any) -> int:
-        """Bytes the payload occupies in the serving format: config.state_bytes(rows)."""
+        """Bytes the payload holds itself in the serving format: config.state_bytes(0) unless
+        a ghost, plus its own K/V rows (rows - kv_from) * config.kv_bytes_per_row. Summed over
+        the store's entries it equals the store's bytes_used."""
 
     def state_bytes(self, state: Any) -> int:
         """Bytes of a live state in the serving format: config.state_bytes(rows)."""
 
     def release(self, state: Any) -> None:
         """The state is no longer needed (a GPU backend returns its memory to the pool)."""
+
+
+def shared_segments(base: Any, rows: int) -> tuple[tuple, int]:
+    """(K/V segments a snapshot at `rows` shares with `base`, first row it must copy): ((), 0)
+    without a base, else (base.segments, base.rows). Raises ValueError when base holds more
+    rows than the state (`Backend.snapshot`)."""
+    if base is None:
+        return (), 0
+    if base.rows > rows:
+        raise ValueError(f"base holds {base.rows} rows, the state {rows}")
+    return tuple(base.segments), int(base.rows)
+
+
+def frozen_logits(logits: np.ndarray | None) -> np.ndarray | None:
+    """A read-only copy of a state's last-row logits (None stays None)."""
+    if logits is None:
+        return None
+    out = logits.copy()
+    out.flags.writeable = False
+    return out
 
 
 def rows_of(state: Any) -> int:

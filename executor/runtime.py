@@ -34,6 +34,7 @@ from policy.config import PolicyConfig
 from policy.keep import PassKind
 from policy.prefix import Prompt
 from policy.scheduler import Scheduler
+from policy.store import EvictKind
 from policy.usable import BackendFacts
 from policy.work import Evicted, Finished, Kept, Released, Request, Step
 
@@ -377,7 +378,8 @@ class Runtime:
         from the hand-off to the worker until the loop got the outcome back) and the worker's
         host seconds per phase (`Outcome.phases`: restore, forward, keep, decode, sample,
         release; a GPU backend's forward includes its device time only where it waits for
-        it), with what the step ran: prefill rows and start, restored lanes, decode lanes.
+        it), with what the step ran: prefill rows and start, restored lanes, decode lanes,
+        and for a chunk with a keep the bytes its copy moved (keep_bytes, `KeepCopy.bytes`).
         bench/fidelity_report.py splits server against simulator time with them."""
         run = plan.step.prefill
         record = {"kind": "step", "t": round(self.now(), 6), "ran_s": round(ran_s, 6),
@@ -385,6 +387,8 @@ class Runtime:
                   "prefill_rows": 0 if run is None else run.chunk.rows,
                   "prefill_start": None if run is None else run.chunk.start,
                   "restores": len(plan.restores), "decode": len(plan.decodes)}
+        if run is not None and run.keep_copy is not None:
+            record["keep_bytes"] = run.keep_copy.bytes(self.backend.config.shape)
         self._steps.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def _attach_continuation(self, live: Live) -> None:
@@ -405,14 +409,23 @@ class Runtime:
         for e in effects:
             if isinstance(e, Kept):
                 if snapshot is None:  # the snapshot failed: the scheduler takes the keep back
-                    held = e.entry.payload is not None  # kept before; this keep only added logits
+                    held = payloads.holds_state(e.entry.payload)  # kept before; this keep only added logits
                     log.warning("keep_without_snapshot", entry=e.entry.id, row=e.entry.row, held=held)
                     self._apply(self.scheduler.unkeep(e.entry, self.now(), held=held))
                     continue
-                assert snapshot.rows == e.entry.row, "snapshot row differs from the kept row"
+                own_from = e.entry.row - e.entry.own_rows
+                if snapshot.rows != e.entry.row or snapshot.kv_from not in (own_from, e.entry.row):
+                    # the plan's KeepCopy and the store disagree (policy checks it; a bug): keep nothing
+                    log.error("keep_mismatch", entry=e.entry.id, row=e.entry.row, own_from=own_from,
+                              snapshot_rows=snapshot.rows, kv_from=snapshot.kv_from)
+                    self._apply(self.scheduler.unkeep(e.entry, self.now(), held=payloads.holds_state(e.entry.payload)))
+                    continue
                 e.entry.payload = snapshot
             elif isinstance(e, Evicted):
-                e.entry.payload = None
+                held = e.entry.payload
+                # a ghost keeps its own K/V rows for the payloads built on it (DESIGN rule 3)
+                e.entry.payload = payloads.ghost(self.backend, held) \
+                    if e.how is EvictKind.GHOST and held is not None else None
             elif isinstance(e, Released):
                 state = self._states.pop(e.stream, None)
                 if state is not None:

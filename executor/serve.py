@@ -132,10 +132,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--host", default=d.host, help=f"(default: {d.host})")
     ap.add_argument("--port", type=int, default=d.port, help=f"0 picks a free port (default: {d.port})")
     ap.add_argument("--prompt-cache-gib", type=float, metavar="G",
-                    help=f"prompt-cache budget, GiB, as the policy counts kept states (each its own K/V "
-                         f"rows); the GPU backend stores whole states, so states that share a prefix can "
-                         f"take several times this in device memory; 0 turns the cache and warm passes "
-                         f"off (default: {p.prompt_cache_bytes / GIB:g})")
+                    help=f"prompt-cache budget, GiB: the device memory kept states hold (each its fixed "
+                         f"part and only the K/V rows above the kept prefix it extends, shared, not "
+                         f"copied); 0 turns the cache and warm passes off (default: {p.prompt_cache_bytes / GIB:g})")
     ap.add_argument("--request-starts", action=argparse.BooleanOptionalAction, default=None,
                     help=f"cut and keep at chat-message starts (default: {p.request_starts})")
     ap.add_argument("--snap-starts", action=argparse.BooleanOptionalAction, default=None,

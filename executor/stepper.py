@@ -23,8 +23,8 @@ from executor.chat import Rendered
 from executor.config import FULL
 from executor.sampling import SamplingParams, sample
 from executor.stops import TextStream
-from policy.store import Entry
-from policy.work import Step
+from policy.store import Copy, Entry
+from policy.work import ChunkRun, Step
 
 log = structlog.get_logger(__name__)
 
@@ -179,16 +179,37 @@ class Stepper:
         logits = self.backend.prefill(state, plan.prefill_ids, (run.chunk.start, run.chunk.end),
                                       want_logits=run.chunk.reads_logits, **tail)
         self._lap(out, "forward", t)
-        if run.keep is not None:
+        if run.keep is not None and (run.keep_copy is None or run.keep_copy.copy is not Copy.NOTHING):
             t = time.perf_counter()
             try:
-                out.snapshot = payloads.snapshot(self.backend, state, logits if run.keep.with_logits else None)
+                out.snapshot = self._keep(run, state, logits if run.keep.with_logits else None)
             except Exception as exc:  # noqa: BLE001 - out of device memory, say: keep nothing, serve on
                 log.warning("keep_failed", row=run.keep.row, error=repr(exc))
             self._lap(out, "keep", t)
         live = plan.prefill_live
         if live is not None and run.chunk.reads_logits and live.job.max_tokens > 0:
             self._first_token(run.stream, live, logits, out)
+
+    def _keep(self, run: ChunkRun, state: Any, logits: np.ndarray | None) -> payloads.Payload | None:
+        """The payload the chunk's keep makes, copying what its `KeepCopy` says: nothing for a
+        state kept already, the logits for one that gains them, the fixed part for a ghost
+        that comes back, the fixed part and the K/V rows above the parent for a new one (a
+        run without a KeepCopy copies the whole state). Raises ValueError when the entry
+        the copy builds on has no payload."""
+        copy = run.keep_copy
+        if copy is None:
+            return payloads.snapshot(self.backend, state, logits)
+        if copy.copy is Copy.NOTHING:
+            return None
+        base = None
+        if copy.base is not None:
+            base = copy.base.payload
+            if not isinstance(base, payloads.Payload):
+                raise ValueError(f"the kept state at row {copy.base.row} this keep builds on has no payload")
+        if copy.copy is Copy.LOGITS:
+            assert base is not None and logits is not None
+            return payloads.with_logits(base, logits)
+        return payloads.snapshot(self.backend, state, logits, base)
 
     def _decode(self, plan: Plan, out: Outcome) -> bool:
         """The decode round of the plan's lanes (False when there is none)."""

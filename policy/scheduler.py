@@ -19,7 +19,7 @@ from policy.keep import KeepRow, PassKind, keep_rows
 from policy.plan import Chunk, check_starts, fresh_cuts, plan_chunks
 from policy.prefix import Prompt
 from policy.shape import ModelShape
-from policy.store import Entry, KeepResult, Store
+from policy.store import Copy, Entry, KeepCopy, KeepResult, Store
 from policy.work import ChunkRun, Evicted, Finished, Kept, Released, Request, Step
 from policy.tail import TailFacts, tail_from
 from policy.usable import BackendFacts, Fingerprint, cut_fingerprint, snap_starts
@@ -331,8 +331,13 @@ class Scheduler:
 
     def _chunk_run(self, p: _Pass, req: Request | None) -> ChunkRun:
         chunk = p.chunks[0]
+        keep = p.keeps.get(chunk.end)
+        copy = None
+        if keep is not None:
+            copy = self.store.keep_copy(p.prompt, keep.row, p.fingerprint(keep.row, self.facts),
+                                        has_logits=keep.with_logits)
         return ChunkRun(p.stream, p.kind, p.request, p.conversation, chunk, self._tail(chunk, req),
-                        p.restore, p.keeps.get(chunk.end))
+                        p.restore, keep, copy)
 
     def _foreground_chunk(self) -> ChunkRun | None:
         for lane in self._lanes.values():
@@ -402,7 +407,7 @@ class Scheduler:
                                 start=chunk.start, end=chunk.end))
         keep = p.keeps.get(chunk.end)
         if keep is not None:
-            effects.extend(self._keep(p, keep, now))
+            effects.extend(self._keep(p, keep, now, run.keep_copy))
         if p.chunks:
             return effects
         if lane is not None:
@@ -451,19 +456,19 @@ class Scheduler:
             effects.append(Evicted(e.entry, e.kind))
         return effects
 
-    def _keep(self, p: _Pass, keep: KeepRow, now: float) -> list[object]:
+    def _keep(self, p: _Pass, keep: KeepRow, now: float, planned: KeepCopy | None) -> list[object]:
         fp = p.fingerprint(keep.row, self.facts)
         result: KeepResult = self.store.keep(
             p.prompt, keep.row, fp, has_logits=keep.with_logits,
             value_s=self._value_s(keep.row), now_s=now)
+        _check_planned(planned, result)
         effects: list[object] = self._evicted(result.evicted, now)
         if result.entry is None:
             self._emit(ev.KeepRefused(t=now, stream=p.stream, conversation=p.conversation,
                                       row=keep.row, reason=result.reason))
-        elif result.reason in ("kept", "logits_added"):
-            added = self.store.entry_bytes(result.entry) if result.reason == "kept" else 0
+        elif result.reason in ("kept", "revived", "logits_added"):
             self._emit(ev.StateKept(t=now, stream=p.stream, conversation=p.conversation,
-                                    entry=result.entry.id, row=keep.row, bytes=added,
+                                    entry=result.entry.id, row=keep.row, bytes=result.added_bytes,
                                     logits=keep.with_logits))
             effects.append(Kept(p.stream, result.entry))
         return effects
@@ -511,3 +516,17 @@ class Scheduler:
             self.store.unpin(p.restore)
             p.restore = None
         return [Released(p.stream)]
+
+
+def _check_planned(planned: KeepCopy | None, result: KeepResult) -> None:
+    """The keep the store made is the one the step's plan copied (`Store.keep_copy`), so the
+    executor's snapshot holds exactly what the entry claims. Nothing changes the store's tree
+    between a step's plan and its commit: a difference is a bug, raised as AssertionError."""
+    e = result.entry
+    if e is None:
+        return
+    expected = {"already_kept": (Copy.NOTHING, None), "logits_added": (Copy.LOGITS, e),
+                "revived": (Copy.FIXED, e), "kept": (Copy.STATE, e.parent)}[result.reason]
+    got = None if planned is None else (planned.copy, planned.base)
+    assert got is not None and got[0] is expected[0] and got[1] is expected[1], \
+        f"keep at row {e.row}: planned {got}, the store made {result.reason} {expected}"

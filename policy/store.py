@@ -75,13 +75,60 @@ class Eviction:
     bytes: int
 
 
+class Copy(enum.Enum):
+    """What the executor copies for a keep (`KeepCopy`).
+
+    NOTHING: the state is kept already (with logits, when they are asked for).
+    LOGITS: a live entry only gains its last row's logits.
+    FIXED: a ghost comes back: its fixed part (recurrent matrices, conv tails, logits); it
+    still holds its own K/V rows.
+    STATE: a new entry: the fixed part and the K/V rows [base.row, row) (from 0 without a base).
+    """
+
+    NOTHING = "nothing"
+    LOGITS = "logits"
+    FIXED = "fixed"
+    STATE = "state"
+
+
+@attrs.frozen
+class KeepCopy:
+    """The copy a keep at `row` makes (Store.keep_copy), decided before the chunk runs so the
+    executor snapshots only what the store will count (DESIGN rule 3).
+
+    base: the entry whose payload the kept state's payload builds on: its parent for STATE
+    (None from row 0), the entry itself for LOGITS and FIXED, None for NOTHING.
+    """
+
+    copy: Copy
+    row: int
+    base: Entry | None = None
+
+    @property
+    def kv_from(self) -> int:
+        """First K/V row the copy holds: base.row (0 without a base) for STATE, else row."""
+        if self.copy is Copy.STATE:
+            return self.base.row if self.base is not None else 0
+        return self.row
+
+    def bytes(self, shape: ModelShape) -> int:
+        """Bytes the copy moves on the device: fixed part + (row - kv_from) K/V rows for
+        STATE, the fixed part for FIXED, 0 for LOGITS (host logits) and NOTHING."""
+        if self.copy is Copy.STATE:
+            return shape.fixed_bytes + (self.row - self.kv_from) * shape.row_bytes
+        return shape.fixed_bytes if self.copy is Copy.FIXED else 0
+
+
 @attrs.frozen
 class KeepResult:
-    """Outcome of Store.keep: the entry (None when refused), evictions made, and why."""
+    """Outcome of Store.keep: the entry (None when refused), evictions made, why, and the
+    bytes the keep added to bytes_used (fixed part + own rows for a new entry, the fixed
+    part for a revived ghost, 0 otherwise)."""
 
     entry: Entry | None
     evicted: tuple[Eviction, ...]
     reason: str
+    added_bytes: int = 0
 
 
 class Store:
@@ -178,6 +225,21 @@ class Store:
             del self._pinned[entry.id]
 
     # --- keeping -------------------------------------------------------------------
+    def keep_copy(self, prompt: Prompt, row: int, fingerprint: Fingerprint, *, has_logits: bool) -> KeepCopy:
+        """What `keep` with these arguments would copy if it kept the state now (it may still
+        refuse: over budget). The store's tree does not change between a step's plan and its
+        commit, so the scheduler plans the snapshot with this and `keep` then agrees."""
+        if not self.cfg.cache_enabled:
+            return KeepCopy(Copy.NOTHING, row)
+        found = self._by_row.get(row, {}).get((prompt.digest(row), fingerprint))
+        if found is not None and found.live:
+            if found.has_logits or not has_logits:
+                return KeepCopy(Copy.NOTHING, row)
+            return KeepCopy(Copy.LOGITS, row, found)
+        if found is not None:
+            return KeepCopy(Copy.FIXED, row, found)
+        return KeepCopy(Copy.STATE, row, self._parent_for(prompt, row, fingerprint))
+
     def keep(
         self,
         prompt: Prompt,
@@ -190,9 +252,12 @@ class Store:
     ) -> KeepResult:
         """Keep the state at `row` of `prompt` (rule 3), evicting by rule 4 to make room.
 
-        Returns the entry (existing or new) with the evictions made; entry None and no
-        eviction when the cache is off or the state cannot fit even after evicting every
-        unpinned entry. value_s: prefill seconds the state saves (its eviction value).
+        Returns the entry (existing or new) with the evictions made and a reason: "kept" (a
+        new entry), "revived" (a ghost holds its fixed part again), "logits_added",
+        "already_kept"; entry None and no eviction when the cache is off ("cache_off") or
+        the state cannot fit even after evicting every unpinned entry ("over_budget").
+        value_s: prefill seconds the state saves (its eviction value). What the executor
+        copies for each reason: `keep_copy`.
         """
         if not self.cfg.cache_enabled:
             return KeepResult(None, (), "cache_off")
@@ -253,7 +318,7 @@ class Store:
                 self._refresh(parent)
         self._refresh(entry, revived=found is not None)  # a revived ghost ends the ghost chains below it
         self.bytes_peak = max(self.bytes_peak, self.bytes_used)
-        return KeepResult(entry, tuple(evicted), "kept")
+        return KeepResult(entry, tuple(evicted), "revived" if found is not None else "kept", need)
 
     def drop_logits(self, entry: Entry) -> None:
         """A live entry no longer holds its last row's logits (an executor could not add

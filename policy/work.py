@@ -11,7 +11,7 @@ import attrs
 from policy.keep import KeepRow, PassKind
 from policy.plan import Chunk
 from policy.prefix import Prompt
-from policy.store import Entry, EvictKind
+from policy.store import Entry, EvictKind, KeepCopy
 
 
 @attrs.frozen(kw_only=True)
@@ -35,7 +35,8 @@ class Request:
 
 @attrs.frozen
 class ChunkRun:
-    """Run `chunk` of `stream` (restoring `restore` first when set), tail from `tail_from`."""
+    """Run `chunk` of `stream` (restoring `restore` first when set), tail from `tail_from`,
+    then keep `keep` when set, copying what `keep_copy` says (`Store.keep_copy`)."""
 
     stream: int
     kind: PassKind
@@ -45,6 +46,7 @@ class ChunkRun:
     tail_from: int | None
     restore: Entry | None
     keep: KeepRow | None
+    keep_copy: KeepCopy | None = None
 
 
 @attrs.frozen

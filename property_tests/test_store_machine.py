@@ -41,7 +41,7 @@ from policy.keep import PassKind, keep_rows
 from policy.plan import fresh_cuts
 from policy.prefix import Prompt
 from policy.shape import QWEN35_27B, ModelShape
-from policy.store import EvictKind, Store
+from policy.store import Copy, EvictKind, Store
 from policy.usable import BackendFacts, cut_fingerprint, is_usable
 
 TINY = ModelShape(  # fixed part 1,120 B = 35 rows of 32 B: sharing matters at these sizes
@@ -160,6 +160,16 @@ class StoreMachine(RuleBasedStateMachine):
         for k in [k for k in self.model if k not in keep]:
             del self.model[k]
 
+    @staticmethod
+    def check_planned(planned, result):
+        """keep_copy, asked before the keep, named what the keep made (the executor copies it)."""
+        e = result.entry
+        if e is None:
+            return
+        want = {"already_kept": (Copy.NOTHING, None, e.row), "logits_added": (Copy.LOGITS, e, e.row),
+                "revived": (Copy.FIXED, e, e.row), "kept": (Copy.STATE, e.parent, e.row - e.own_rows)}
+        assert (planned.copy, planned.base, planned.kv_from) == want[result.reason], (planned, result.reason)
+
     # --- rules ---------------------------------------------------------------------------
     def do_keep(self, i, rows, row, with_logits, value_s):
         prompt = PROMPTS[i].prefix(rows)
@@ -169,7 +179,9 @@ class StoreMachine(RuleBasedStateMachine):
         found = self.model.get(key)
         live_before = self.live_keys()
         bytes_before = self.store.bytes_used
+        planned = self.store.keep_copy(prompt, row, fp, has_logits=has_logits)
         result = self.store.keep(prompt, row, fp, has_logits=has_logits, value_s=value_s, now_s=self.now_s)
+        self.check_planned(planned, result)
         if not self.cfg.cache_enabled:
             assert (result.entry, result.evicted, result.reason) == (None, (), "cache_off")
             return None
@@ -194,7 +206,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert not fits_now and not fits_at_all, "refused a state that fits"
             assert self.store.bytes_used == bytes_before
             return None
-        assert result.reason == "kept", result.reason
+        assert result.reason == ("revived" if found is not None else "kept"), result.reason
+        assert result.added_bytes == need
         assert fits_now or fits_at_all, "kept a state that cannot fit"
         got_parent = result.entry.parent
         assert (None if got_parent is None else (got_parent.row, got_parent.digest, got_parent.fingerprint)) == \

@@ -16,6 +16,7 @@ from policy.config import PolicyConfig
 from policy.scheduler import Scheduler
 from policy.work import Finished, Request, Step
 from policy.shape import state_bytes
+from policy.store import Copy
 from policy.usable import BackendFacts
 from sim.cost import Profile
 from sim.workload import Workload
@@ -163,7 +164,8 @@ class Simulation:
 
     def _step_s(self, step: Step) -> float:
         """Seconds of one step: its decode round, its chunk (with the restore its pass resumes
-        from and the keep it makes), its restored lanes, then the serving loop's host seconds
+        from and the keep it makes: the bytes its `KeepCopy` moves, none for a state already
+        kept or logits added), its restored lanes, then the serving loop's host seconds
         (`Profile.host_s`; a decode-only step sums as `Profile.decode_span` does a round)."""
         p = self.profile
         t = p.decode_round_s(len(step.decode), step.contexts) if step.decode else 0.0
@@ -172,8 +174,8 @@ class Simulation:
             t += p.prefill_s(run.chunk.rows, run.chunk.start)
             if run.restore is not None:
                 t += p.restore_s(state_bytes(p.shape, run.restore.row))
-            if run.keep is not None:
-                t += p.keep_s(state_bytes(p.shape, run.keep.row))
+            if run.keep_copy is not None and run.keep_copy.copy in (Copy.STATE, Copy.FIXED):
+                t += p.keep_s(run.keep_copy.bytes(p.shape))
         for _, entry in step.restores:
             t += p.restore_s(state_bytes(p.shape, entry.row))
         return t + p.host_s(len(step.decode) + len(step.restores), step.prefill is not None)

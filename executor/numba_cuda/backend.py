@@ -22,9 +22,11 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import attrs
 import numpy as np
 import structlog
 
+from executor.backend import frozen_logits, shared_segments
 from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_mma, delta_rule,
                                  device_weights, elementwise, norms)
@@ -533,22 +535,39 @@ class NumbaCudaBackend:
         self.advance(states, logits)
         return logits
 
-    def snapshot(self, state: DeviceState) -> DevicePayload:
-        logits = None
-        if state.logits is not None:
-            logits = state.logits.copy()
-            logits.flags.writeable = False
-        return DevicePayload(rows=state.rows, data=self.pool.pack(state.slot, state.rows), logits=logits)
+    def snapshot(self, state: DeviceState, base: DevicePayload | None = None) -> DevicePayload:
+        """See `Backend.snapshot`: the fixed part (2 launches) and, above `base`, one new
+        K/V segment [base.rows, rows) (1 launch); base's segments are shared, not copied."""
+        segments, start = shared_segments(base, state.rows)
+        if state.rows > start:
+            segments = segments + (self.pool.pack_rows(state.slot, start, state.rows),)
+        return DevicePayload(rows=state.rows, fixed=self.pool.pack_fixed(state.slot), segments=segments,
+                             logits=frozen_logits(state.logits))
 
     def restore(self, payload: DevicePayload) -> DeviceState:
-        state = DeviceState(slot=self.pool.take(zero=False))  # unpack overwrites every part
-        self.pool.unpack(payload.data, state.slot, payload.rows)
+        """See `Backend.restore`: 2 launches for the fixed part, 1 per K/V segment. Raises
+        ValueError for a ghost."""
+        if payload.fixed is None:
+            raise ValueError("a ghost payload (no fixed part) cannot be restored")
+        state = DeviceState(slot=self.pool.take(zero=False))  # the unpacks overwrite every part read
+        self.pool.unpack_fixed(payload.fixed, state.slot)
+        for segment in payload.segments:
+            self.pool.unpack_rows(segment, state.slot)
         state.rows = payload.rows
         state.logits = None if payload.logits is None else payload.logits.copy()
         return state
 
+    def ghost(self, payload: DevicePayload) -> DevicePayload:
+        """See `Backend.ghost`: the payload without its fixed part and logits."""
+        return attrs.evolve(payload, fixed=None, logits=None)
+
     def payload_bytes(self, payload: DevicePayload) -> int:
-        return int(payload.data.shape[0])
+        """See `Backend.payload_bytes`: the fixed part (when held) and the last segment when
+        it is the payload's own (ends at `rows`), in device bytes."""
+        n = 0 if payload.fixed is None else int(payload.fixed.shape[0])
+        if payload.segments and payload.segments[-1].end == payload.rows:
+            n += payload.segments[-1].nbytes
+        return n
 
     def state_bytes(self, state: DeviceState) -> int:
         return self.config.state_bytes(state.rows)

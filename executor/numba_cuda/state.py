@@ -1,12 +1,19 @@
 """Per-stream device state: a pool of slots (fp32 recurrent matrices, bf16 conv tails,
-bf16 K/V rows) and payloads that pack a state into exactly config.state_bytes(rows).
+bf16 K/V rows) and payloads that pack a state in the serving format (config.state_bytes).
 
-Kernels index the pool by slot, so one decode launch serves many streams. A payload is
-one device byte buffer: every linear layer's recurrent matrix, then every linear layer's conv
-tail, then every full-attention layer's K rows [0, P), then their V rows [0, P). Packing and
-unpacking are one strided copy launch per part (4), not one copy per layer and part (128 at
-27B, each tens of microseconds of host time: a keep after every chunk made the server's
-short chunks ~2x slower than the same chunk alone; bench/RESULTS.md, session 3).
+Kernels index the pool by slot, so one decode launch serves many streams. A kept state is
+a `DevicePayload`: its *fixed part* (one byte buffer: every linear layer's recurrent matrix,
+then every linear layer's conv tail) and the K/V rows [0, rows) as a chain of `KVSegment`s,
+root first. A payload copies only the segment above the payload it builds on (its *base*:
+the nearest kept prefix, `policy.store.Store.keep_copy`) and shares the base's segments, so
+device memory is what the store counts (DESIGN rule 3: K/V rows shared with a kept prefix
+are not held twice). A ghost payload (`DeviceBackend.ghost`) drops the fixed part and keeps
+its segments for the longer states built on it.
+
+Each part is one strided copy launch (the fixed part 2, each segment 1 for its K and V), not
+one copy per layer and part (128 at 27B, each tens of microseconds of host time: a keep after
+every chunk made the server's short chunks ~2x slower than the same chunk alone;
+bench/RESULTS.md, session 3). A restore launches 2 + one per segment.
 """
 
 from __future__ import annotations
@@ -33,12 +40,40 @@ class DeviceState:
 
 
 @attrs.frozen(eq=False)
+class KVSegment:
+    """K/V rows [start, end) of every full-attention layer on the device: `data` is bf16 bits
+    uint16 [2 (keys, values), full_layers, (end - start) * kv_heads * head_dim]."""
+
+    start: int
+    end: int
+    data: object
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.shape[0] * self.data.shape[1] * self.data.shape[2] * 2)
+
+
+@attrs.frozen(eq=False)
 class DevicePayload:
-    """An immutable packed state on the device (`data` holds config.state_bytes(rows) bytes)."""
+    """An immutable kept state on the device.
+
+    rows: rows [0, rows) it holds. fixed: uint8 [config.fixed_state_bytes] (recurrent matrices,
+    then conv tails), None for a ghost (not restorable; a base for longer payloads).
+    segments: K/V rows [0, rows) as `KVSegment`s, contiguous and ascending; all but the last
+    may be shared with other payloads. logits: float32 [vocab] of row rows - 1, or None.
+    """
 
     rows: int
-    data: object
+    fixed: object | None
+    segments: tuple[KVSegment, ...]
     logits: np.ndarray | None
+
+    @property
+    def kv_from(self) -> int:
+        """First row of the K/V rows this payload holds itself (its last segment when that
+        ends at `rows`; `rows` when it holds none)."""
+        last = self.segments[-1] if self.segments else None
+        return last.start if last is not None and last.end == self.rows else self.rows
 
 
 @fast
@@ -79,6 +114,33 @@ MAX_COPY_BLOCKS = 512
 
 def _grid(array) -> tuple[int, int]:
     return (min(blocks(array.shape[1]), MAX_COPY_BLOCKS), array.shape[0])
+
+
+@fast
+@cuda.jit
+def _copy_pair_kernel(src_a, dst_a, src_b, dst_b):
+    # dst_a[i, j] = src_a[i, j] for blockIdx.z == 0, else dst_b[i, j] = src_b[i, j]
+    i = cuda.blockIdx.y
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    step = cuda.gridDim.x * cuda.blockDim.x
+    if cuda.blockIdx.z == 0:
+        while j < src_a.shape[1]:
+            dst_a[i, j] = src_a[i, j]
+            j += step
+    else:
+        while j < src_b.shape[1]:
+            dst_b[i, j] = src_b[i, j]
+            j += step
+
+
+def _copy_pair(src_a, dst_a, src_b, dst_b) -> None:
+    """copy_rows(src_a, dst_a) and copy_rows(src_b, dst_b) in one launch (same shapes and dtype)."""
+    shapes = {tuple(x.shape) for x in (src_a, dst_a, src_b, dst_b)}
+    if len(shapes) != 1 or len({x.dtype for x in (src_a, dst_a, src_b, dst_b)}) != 1:
+        raise ValueError(f"pair copy of mismatched arrays {sorted(shapes)}")
+    if src_a.size:
+        x, y = _grid(src_a)
+        _copy_pair_kernel[(x, y, 2), THREADS](src_a, dst_a, src_b, dst_b)
 
 
 def copy_rows(src, dst) -> None:
@@ -159,6 +221,51 @@ class StatePool:
                 yield part, data[offset : offset + n].view(dtype).reshape(part.shape)
             offset += n
         assert offset == data.shape[0], (offset, data.shape[0])
+
+    def pack_fixed(self, slot: int):
+        """A new device uint8 buffer [config.fixed_state_bytes]: the recurrent matrices then the
+        conv tails of `slot` (2 launches)."""
+        data = empty((self.config.fixed_state_bytes,), np.uint8)
+        for part, view in self._fixed_views(data, slot):
+            copy_rows(part, view)
+        return data
+
+    def unpack_fixed(self, data, slot: int) -> None:
+        """Write a fixed part (`pack_fixed`) into `slot` (2 launches). Raises ValueError on a
+        buffer of the wrong size."""
+        if data.shape[0] != self.config.fixed_state_bytes:
+            raise ValueError(f"a fixed part of {data.shape[0]} bytes for {self.config.fixed_state_bytes}")
+        for part, view in self._fixed_views(data, slot):
+            copy_rows(view, part)
+
+    def _fixed_views(self, data, slot: int):
+        offset = 0
+        for part, dtype in ((self._recurrent3[:, slot], np.float32), (self._conv3[:, slot], np.uint16)):
+            n = part.shape[0] * part.shape[1] * np.dtype(dtype).itemsize
+            if n:
+                yield part, data[offset : offset + n].view(dtype).reshape(part.shape)
+            offset += n
+
+    def _row_views(self, slot: int, start: int, end: int):
+        a, b = start * self._row_elems, end * self._row_elems
+        return self._keys3[:, slot, a:b], self._values3[:, slot, a:b]
+
+    def pack_rows(self, slot: int, start: int, end: int) -> KVSegment:
+        """A new segment holding the K/V rows [start, end) of `slot` (1 launch). Raises
+        ValueError unless 0 <= start < end <= capacity_rows."""
+        if not 0 <= start < end <= self.capacity_rows:
+            raise ValueError(f"K/V rows [{start}, {end}) outside [0, {self.capacity_rows})")
+        keys, values = self._row_views(slot, start, end)
+        data = empty((2,) + tuple(keys.shape), np.uint16)
+        _copy_pair(keys, data[0], values, data[1])
+        return KVSegment(start, end, data)
+
+    def unpack_rows(self, segment: KVSegment, slot: int) -> None:
+        """Write a segment's K/V rows into `slot` (1 launch)."""
+        if not 0 <= segment.start < segment.end <= self.capacity_rows:
+            raise ValueError(f"K/V rows [{segment.start}, {segment.end}) outside [0, {self.capacity_rows})")
+        keys, values = self._row_views(slot, segment.start, segment.end)
+        _copy_pair(segment.data[0], keys, segment.data[1], values)
 
     def pack(self, slot: int, rows: int):
         """A new device byte buffer holding the state of `slot` at `rows` rows (4 launches)."""

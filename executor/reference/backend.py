@@ -14,6 +14,7 @@ from typing import Sequence
 import attrs
 import numpy as np
 
+from executor.backend import frozen_logits, shared_segments
 from executor.config import FULL, Qwen35Config
 from executor.reference import ops
 from executor.weights import Weights, load_weights
@@ -37,15 +38,36 @@ class ReferenceState:
 
 
 @attrs.frozen(slots=True, eq=False)
-class ReferencePayload:
-    """An immutable copy of a ReferenceState (arrays are read-only)."""
+class KVSegment:
+    """K/V rows [start, end) of every full layer i: keys[i], values[i] [end - start, kv_heads,
+    head_dim] float32, read-only."""
 
-    rows: int
-    recurrent: dict[int, np.ndarray]
-    conv_tail: dict[int, np.ndarray]
+    start: int
+    end: int
     keys: dict[int, np.ndarray]
     values: dict[int, np.ndarray]
+
+
+@attrs.frozen(slots=True, eq=False)
+class ReferencePayload:
+    """An immutable copy of a ReferenceState (arrays are read-only).
+
+    recurrent, conv_tail: the fixed part, None for a ghost (`ReferenceBackend.ghost`).
+    segments: K/V rows [0, rows), contiguous and ascending; all but the last may be shared
+    with the payload it was built on (`snapshot`'s base), as the GPU backend does.
+    """
+
+    rows: int
+    recurrent: dict[int, np.ndarray] | None
+    conv_tail: dict[int, np.ndarray] | None
+    segments: tuple[KVSegment, ...]
     logits: np.ndarray | None
+
+    @property
+    def kv_from(self) -> int:
+        """First row of the K/V rows this payload holds itself (`rows` when none)."""
+        last = self.segments[-1] if self.segments else None
+        return last.start if last is not None and last.end == self.rows else self.rows
 
 
 def _frozen_copy(arrays: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -214,35 +236,51 @@ class ReferenceBackend:
             out[lane] = self._forward(state, np.asarray([token], np.int64), decode=True, want_logits=True)
         return out
 
-    def snapshot(self, state: ReferenceState) -> ReferencePayload:
-        logits = None
-        if state.logits is not None:
-            logits = state.logits.copy()
-            logits.flags.writeable = False
+    def snapshot(self, state: ReferenceState, base: ReferencePayload | None = None) -> ReferencePayload:
+        """See `Backend.snapshot`: copies the fixed part and the K/V rows [base.rows, rows)."""
+        segments, start = shared_segments(base, state.rows)
+        if state.rows > start:
+            rows = lambda arrays: {i: a[start:state.rows] for i, a in arrays.items()}  # noqa: E731
+            segments = segments + (KVSegment(start, state.rows, _frozen_copy(rows(state.keys)),
+                                             _frozen_copy(rows(state.values))),)
         return ReferencePayload(
             rows=state.rows,
             recurrent=_frozen_copy(state.recurrent),
             conv_tail=_frozen_copy(state.conv_tail),
-            keys=_frozen_copy(state.keys),
-            values=_frozen_copy(state.values),
-            logits=logits,
+            segments=segments,
+            logits=frozen_logits(state.logits),
         )
 
     def restore(self, payload: ReferencePayload) -> ReferenceState:
+        """See `Backend.restore`. Raises ValueError for a ghost."""
+        if payload.recurrent is None or payload.conv_tail is None:
+            raise ValueError("a ghost payload (no fixed part) cannot be restored")
         copy = lambda arrays: {i: np.array(a, copy=True) for i, a in arrays.items()}  # noqa: E731
+        empty = (0, self.config.num_key_value_heads, self.config.head_dim)
+        keys = {i: np.zeros(empty, np.float32) for i in self.config.full_layers}
+        values = {i: np.zeros(empty, np.float32) for i in self.config.full_layers}
+        if payload.segments:
+            keys = {i: np.concatenate([s.keys[i] for s in payload.segments]) for i in keys}
+            values = {i: np.concatenate([s.values[i] for s in payload.segments]) for i in values}
         return ReferenceState(
             rows=payload.rows,
             recurrent=copy(payload.recurrent),
             conv_tail=copy(payload.conv_tail),
-            keys=copy(payload.keys),
-            values=copy(payload.values),
+            keys=keys,
+            values=values,
             logits=None if payload.logits is None else payload.logits.copy(),
         )
 
+    def ghost(self, payload: ReferencePayload) -> ReferencePayload:
+        """See `Backend.ghost`: the payload without its fixed part and logits."""
+        return attrs.evolve(payload, recurrent=None, conv_tail=None, logits=None)
+
     def payload_bytes(self, payload: ReferencePayload) -> int:
-        """Serving-format bytes (config.state_bytes): fp32 recurrent, bf16 conv tails and
-        K/V rows. The reference itself holds float32 copies."""
-        return self.config.state_bytes(payload.rows)
+        """Serving-format bytes the payload holds itself (the GPU backend's payload_bytes):
+        the fixed part (config.state_bytes(0)) when held, plus its own K/V rows. The
+        reference itself holds float32 copies."""
+        fixed = 0 if payload.recurrent is None else self.config.state_bytes(0)
+        return fixed + (payload.rows - payload.kv_from) * self.config.kv_bytes_per_row
 
     def state_bytes(self, state: ReferenceState) -> int:
         """Serving-format bytes of a live state (config.state_bytes)."""

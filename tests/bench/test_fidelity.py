@@ -236,6 +236,11 @@ def test_keep_lines_price_every_keep_at_its_chunk_end_by_bytes(tmp_path):
         f"  keeps (2): server 3.0 ms in all (median 1.50), profile {model * 1e3:.1f} ms by bytes; "
         f"server / profile {0.003 / model:.2f}x"]
     assert keep_lines(steps[2:], profile) == []
+    # with keep_bytes (the runtime's records now): priced at the bytes copied; 0 bytes left out
+    steps[0]["keep_bytes"], steps[1]["keep_bytes"] = 5000, 0
+    assert keep_lines(steps, profile) == [
+        f"  keeps (1): server 1.0 ms in all (median 1.00), profile {profile.keep_s(5000) * 1e3:.1f} ms by bytes; "
+        f"server / profile {0.001 / profile.keep_s(5000):.2f}x"]
 
 
 def test_fidelity_against_the_tiny_server(tmp_path, capsys):

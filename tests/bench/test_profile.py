@@ -41,6 +41,7 @@ class FakeState:
 @attrs.frozen
 class FakePayload:
     rows: int
+    kv_from: int = 0
 
 
 class FakeBackend:
@@ -68,7 +69,7 @@ class FakeBackend:
             s.rows += 1
         return np.zeros((len(states), CONFIG.vocab_size), np.float32)
 
-    def snapshot(self, state):
+    def snapshot(self, state, base=None):
         self.clock[0] += 1e-4 + 1e-9 * CONFIG.state_bytes(state.rows)
         return FakePayload(state.rows)
 
@@ -143,10 +144,10 @@ def test_each_timed_keep_allocates_fresh_memory_and_keeps_logits():
 
     snapshot = backend.snapshot
 
-    def fresh_snapshot(state):
+    def fresh_snapshot(state, base=None):
         assert calls["fresh"], "a keep into memory the pool had cached"
         calls["fresh"] = False
-        return snapshot(state)
+        return snapshot(state, base)
 
     backend.snapshot = fresh_snapshot
     kept = []

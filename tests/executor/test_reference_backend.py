@@ -90,7 +90,7 @@ def test_snapshot_keeps_prompt_end_logits_and_is_immutable(backend, prompt, whol
     payload = backend.snapshot(whole[1])
     assert np.array_equal(payload.logits, whole[0])
     with pytest.raises(ValueError):
-        payload.keys[backend.config.full_layers[0]][0, 0, 0] = 1.0
+        payload.segments[0].keys[backend.config.full_layers[0]][0, 0, 0] = 1.0
     restored = backend.restore(payload)
     assert np.array_equal(restored.logits, whole[0])
 
@@ -161,3 +161,39 @@ def test_planted_wrong_restore_is_caught(backend, prompt, whole):
     logits = backend.prefill(broken, prompt, (90, PROMPT_ROWS))
     with pytest.raises(AssertionError, match="max abs error"):
         assert_close("planted", whole[0], logits, 1e-5, rel=True)
+
+
+def test_a_chain_of_keeps_shares_kv_rows_and_resumes_exactly_through_a_ghost(backend, prompt):
+    """Three keeps of one pass, each on the one below (the store's parent): each payload
+    holds the fixed part and only the K/V rows above its base; with the middle one a ghost,
+    restoring the top one equals the state that never stopped, bit for bit, and so does
+    everything after it."""
+    c = backend.config
+    state = backend.new_state()
+    chain = []
+    for lo, hi in ((0, 40), (40, 90), (90, 120)):
+        backend.prefill(state, prompt, (lo, hi), want_logits=False)
+        chain.append(backend.snapshot(state, chain[-1] if chain else None))
+    first, middle, top = chain
+    assert [(p.rows, p.kv_from) for p in chain] == [(40, 0), (90, 40), (120, 90)]
+    assert [backend.payload_bytes(p) for p in chain] == [c.state_bytes(40), c.state_bytes(50), c.state_bytes(30)]
+    assert middle.segments[0] is first.segments[0] and top.segments[:2] == middle.segments  # shared, not copied
+    ghost = backend.ghost(middle)
+    assert backend.payload_bytes(ghost) == 50 * c.kv_bytes_per_row and ghost.segments == middle.segments
+    with pytest.raises(ValueError, match="ghost"):
+        backend.restore(ghost)
+    with pytest.raises(ValueError, match="base holds 120 rows"):
+        backend.snapshot(backend.restore(first), top)
+    revived = backend.snapshot(backend.restore(middle), ghost)  # a ghost kept again: fixed part only
+    assert (revived.kv_from, backend.payload_bytes(revived)) == (40, c.state_bytes(50))
+    assert revived.segments == ghost.segments
+    del middle, chain
+    resumed = backend.restore(top)
+    for i in c.linear_layers:
+        assert np.array_equal(resumed.recurrent[i], state.recurrent[i])
+        assert np.array_equal(resumed.conv_tail[i], state.conv_tail[i])
+    for i in c.full_layers:
+        assert np.array_equal(resumed.keys[i], state.keys[i]) and np.array_equal(resumed.values[i], state.values[i])
+    want = backend.prefill(state, prompt, (120, PROMPT_ROWS))
+    assert np.array_equal(backend.prefill(resumed, prompt, (120, PROMPT_ROWS)), want)
+    assert np.array_equal(backend.decode([resumed], [7])[0], backend.decode([state], [7])[0])

@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 
+import attrs
 import numpy as np
 import openai
 import pytest
@@ -61,8 +62,11 @@ class Scripted:
         out = self.inner.decode(states, token_ids)
         return np.stack([self._force(s.rows - self._base[id(s)], out[i]) for i, s in enumerate(states)])
 
-    def snapshot(self, state):
-        return self.inner.snapshot(state)
+    def snapshot(self, state, base=None):
+        return self.inner.snapshot(state, base)
+
+    def ghost(self, payload):
+        return self.inner.ghost(payload)
 
     def restore(self, payload):
         state = self.inner.restore(payload)
@@ -332,7 +336,7 @@ def test_a_failed_keep_keeps_nothing_and_fails_no_request(model, monkeypatch):
     _, tok, _ = model
     failures = []
 
-    def failing_snapshot(self, state):
+    def failing_snapshot(self, state, base=None):
         failures.append(state.rows)
         raise MemoryError("planted: no device memory for the keep")
 
@@ -411,3 +415,74 @@ def test_conversation_matching():
     assert len(convs) == 2 and convs.match(Prompt.from_tokens(ids), (20,)) is None  # oldest dropped
     convs.warm_scheduled(c, Continuation.of(ids[:30], ()))
     assert convs.warm_ids(c) == tuple(ids[:30])
+
+
+def _held_bytes(config, store) -> int:
+    """Bytes the store's payloads hold, each shared K/V segment counted once (what device
+    memory holds): the GPU backend's device buffers, the reference's serving-format sizes."""
+    fixed, segments = 0, {}
+    for e in store.entries():
+        assert e.payload is not None, f"entry {e.id} at row {e.row} has no payload"
+        snap = e.payload.snapshot
+        part = snap.fixed if hasattr(snap, "fixed") else snap.recurrent
+        assert e.payload.ghost == (not e.live) == (part is None), f"entry {e.id}: live {e.live}"
+        if part is not None:
+            fixed += int(part.shape[0]) if hasattr(snap, "fixed") else config.state_bytes(0)
+        for seg in snap.segments:
+            segments[id(seg)] = seg.nbytes if hasattr(seg, "nbytes") else (seg.end - seg.start) * config.kv_bytes_per_row
+    return fixed + sum(segments.values())
+
+
+def _backend(model, kind):
+    if kind == "reference":
+        return model[0]
+    from executor.numba_cuda.device import is_gpu_available
+    if not is_gpu_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from executor.numba_cuda.backend import NumbaCudaBackend
+    return NumbaCudaBackend.from_dir(tiny_model_dir(), slots=8, capacity_rows=512)
+
+
+@pytest.mark.parametrize("kind", ["reference", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_kept_states_share_kv_rows_and_hold_what_the_store_counts(model, kind):
+    """Prompts that extend one another under a budget that forces evictions: the payloads
+    hold exactly the store's bytes_used (each K/V row once, ghosts without their fixed
+    part), and every reply equals a cache-off runtime's, token for token."""
+    _, tok, _ = model
+    backend = _backend(model, kind)
+    c = backend.config
+    turns = ["<|im_start|>system\nYou are terse and kind, always.<|im_end|>\n"]
+    for k in range(5):
+        turns.append(f"<|im_start|>user\nquestion number {k} about rivers<|im_end|>\n<|im_start|>assistant\n")
+    prompts = ["".join(turns[:n]) for n in range(2, len(turns) + 1)]
+    prompts += [turns[0] + turns[3], prompts[2], prompts[-1]]
+    budget = 4 * c.state_bytes(0) + 120 * c.kv_bytes_per_row
+    cfg = attrs.evolve(CFG, grid_rows=16, prompt_cache_bytes=budget)
+
+    def run(cfg):
+        held = []
+
+        async def main():
+            runtime = Runtime(backend, tok, cfg, trace=trace)
+            await runtime.start()
+            try:
+                out = []
+                for text in prompts:
+                    out.append((await _collect(runtime.submit(_job(tok, text, max_tokens=3))))[1])
+                    store = runtime.scheduler.store
+                    held.append((_held_bytes(c, store), store.bytes_used))
+                return out
+            finally:
+                await runtime.close()
+        trace = io.StringIO()
+        return asyncio.run(main()), held, _events(trace)
+
+    warm, held, events = run(cfg)
+    cold, _, _ = run(attrs.evolve(cfg, prompt_cache_bytes=0))
+    assert [d.token_ids for d in warm] == [d.token_ids for d in cold]
+    assert all(d.cached_tokens == 0 for d in cold) and sum(d.cached_tokens > 0 for d in warm) >= 4
+    assert [h for h, _ in held] == [u for _, u in held]
+    assert max(u for _, u in held) > 3 * c.state_bytes(0)  # the budget was in play
+    hows = {e["how"] for e in events if e["kind"] == "state_evicted"}
+    assert hows == {"ghost", "freed"}, hows
+    assert not any(e["kind"] == "request_finished" and e["reason"] not in ("stop", "length") for e in events)

@@ -8,7 +8,9 @@ from policy.config import PolicyConfig
 from policy.plan import fresh_cuts
 from policy.prefix import Prompt
 from policy.shape import QWEN35_27B, state_bytes
-from policy.store import EvictKind, Store
+
+SHAPE = QWEN35_27B
+from policy.store import Copy, EvictKind, Store
 from policy.usable import BackendFacts, cut_fingerprint
 
 FIXED = 153_944_064  # Qwen3.5-27B, see test_shape.py
@@ -85,11 +87,34 @@ def test_keeping_a_ghost_again_costs_only_its_fixed_part():
     first = keep(store, LONG, 4096).entry
     keep(store, LONG, 8192)
     store.evict(first)
+    planned = store.keep_copy(LONG, 4096, fp(store, LONG, 4096), has_logits=False)
+    assert (planned.copy, planned.base, planned.kv_from, planned.bytes(SHAPE)) == (Copy.FIXED, first, 4096, FIXED)
     again = keep(store, LONG, 4096, value_s=3.0, now_s=5.0)
-    assert again.reason == "kept" and again.entry is first and first.live
+    assert again.reason == "revived" and again.entry is first and first.live
+    assert again.added_bytes == FIXED
     assert store.bytes_used == 2 * FIXED + 8192 * ROW
     assert (first.value_s, first.last_used_s) == (3.0, 5.0)
     store.check()
+
+
+def test_keep_copy_names_what_each_keep_moves():
+    """The executor snapshots what keep_copy says before the chunk runs; keep then agrees."""
+    def planned(store, row, logits=False):
+        c = store.keep_copy(LONG, row, fp(store, LONG, row), has_logits=logits)
+        return c.copy, c.base, c.kv_from, c.bytes(SHAPE)
+
+    store = make_store()
+    assert planned(store, 4096) == (Copy.STATE, None, 0, FIXED + 4096 * ROW)
+    first = keep(store, LONG, 4096).entry
+    assert planned(store, 4096) == (Copy.NOTHING, None, 4096, 0)
+    assert planned(store, 4096, logits=True) == (Copy.LOGITS, first, 4096, 0)
+    assert planned(store, 6000) == (Copy.STATE, first, 4096, FIXED + (6000 - 4096) * ROW)
+    second = keep(store, LONG, 6000)
+    assert second.reason == "kept" and second.entry.parent is first
+    assert second.added_bytes == FIXED + (6000 - 4096) * ROW == store.entry_bytes(second.entry)
+    assert keep(store, LONG, 4096, logits=True).reason == "logits_added"
+    off = make_store(budget_bytes=0)
+    assert planned(off, 4096) == (Copy.NOTHING, None, 4096, 0)
 
 
 def test_keeping_the_same_state_twice():

@@ -62,6 +62,40 @@ def test_pack_holds_the_slot_in_payload_order_and_unpack_restores_it(pool, rows)
         pool.unpack(data, 0, rows + 1)
 
 
+def test_fixed_part_and_row_segments_pack_what_they_name_and_unpack_it(pool):
+    """pack_fixed: recurrent then conv of one slot; pack_rows: K then V rows [a, b) of every
+    full layer; unpacking them into another slot writes those and nothing else."""
+    config = pool.config
+    h = _fill(pool, seed=3)
+    with poisoned():
+        fixed = pool.pack_fixed(2)
+        low, high = pool.pack_rows(2, 0, 11), pool.pack_rows(2, 11, 29)
+    assert fixed.copy_to_host().tobytes() == h["recurrent"][:, 2].tobytes() + h["conv"][:, 2].tobytes()
+    assert fixed.shape[0] == config.state_bytes(0)
+    for seg, (a, b) in ((low, (0, 11)), (high, (11, 29))):
+        assert (seg.start, seg.end, seg.nbytes) == (a, b, (b - a) * config.kv_bytes_per_row)
+        got = seg.data.copy_to_host()
+        assert got[0].tobytes() == h["keys"][:, 2, a:b].tobytes() and got[1].tobytes() == h["values"][:, 2, a:b].tobytes()
+    pool.unpack_fixed(fixed, 0)
+    pool.unpack_rows(high, 0)  # any order: each segment writes only its rows
+    pool.unpack_rows(low, 0)
+    for name in ("recurrent", "conv"):
+        got = getattr(pool, name).copy_to_host()
+        np.testing.assert_array_equal(got[:, 0], h[name][:, 2])
+        np.testing.assert_array_equal(got[:, 1], h[name][:, 1])
+    for name in ("keys", "values"):
+        got = getattr(pool, name).copy_to_host()
+        np.testing.assert_array_equal(got[:, 0, :29], h[name][:, 2, :29])
+        np.testing.assert_array_equal(got[:, 0, 29:], h[name][:, 0, 29:])  # rows past the segments untouched
+        np.testing.assert_array_equal(got[:, 1], h[name][:, 1])
+    with pytest.raises(ValueError, match="fixed part"):
+        pool.unpack_fixed(high.data.reshape(high.data.size).view(np.uint8), 0)
+    with pytest.raises(ValueError, match="outside"):
+        pool.pack_rows(2, 5, 5)
+    with pytest.raises(ValueError, match="outside"):
+        pool.pack_rows(2, 30, pool.capacity_rows + 1)
+
+
 def test_take_zeroes_a_slot_unless_a_restore_overwrites_it(pool):
     h = _fill(pool)
     pool._free = [2, 1, 0]

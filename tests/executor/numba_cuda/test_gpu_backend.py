@@ -7,6 +7,7 @@ numba-cuda + nvmath-python.
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -245,9 +246,9 @@ def _chunked(gpu, ids, cuts, tail_from=None):
     for a, b in zip(cuts, cuts[1:]):
         last = b == cuts[-1]
         logits = gpu.prefill(state, ids, (a, b), want_logits=last, tail_from=tail_from if last else None)
-    payload = gpu.snapshot(state)
+    packed = gpu.pool.pack(state.slot, state.rows).copy_to_host()
     gpu.release(state)
-    return logits, payload.data.copy_to_host()
+    return logits, packed
 
 
 def _same(x, y):
@@ -391,14 +392,54 @@ def test_resumed_equals_fresh(models):
 def test_resumed_catches_a_planted_break(models, monkeypatch):
     _, gpu = models
     ids = _prompt(gpu.config, 150, 8)
-    real = gpu.pool.unpack
+    real = gpu.pool.unpack_fixed
 
-    def drops_recurrent(data, slot, rows):
-        real(data, slot, rows)
+    def drops_recurrent(data, slot):
+        real(data, slot)
         gpu.pool.recurrent[0, slot].copy_to_device(np.zeros(gpu.pool.recurrent[0, slot].shape, np.float32))
 
-    monkeypatch.setattr(gpu.pool, "unpack", drops_recurrent)
+    monkeypatch.setattr(gpu.pool, "unpack_fixed", drops_recurrent)
     assert not _resumed_matches_fresh(gpu, ids, 100)
+
+
+def _chain_resumes_exactly(gpu, ids, cuts, skip_segment=None):
+    """Keeps at each cut, each built on the one below; the middle one made a ghost; the top
+    one restored and continued, against the state that never stopped (logits of the rest of
+    the prompt and 4 greedy steps). skip_segment: a planted break (restore drops it)."""
+    c = gpu.config
+    fresh = gpu.new_state()
+    chain = []
+    for a, b in zip([0, *cuts], cuts):
+        gpu.prefill(fresh, ids, (a, b), want_logits=False)
+        chain.append(gpu.snapshot(fresh, chain[-1] if chain else None))
+    assert [(p.rows, p.kv_from) for p in chain] == [(b, a) for a, b in zip([0, *cuts], cuts)]
+    assert [gpu.payload_bytes(p) for p in chain] == [c.state_bytes(b - a) for a, b in zip([0, *cuts], cuts)]
+    ghost = gpu.ghost(chain[1])
+    assert gpu.payload_bytes(ghost) == (cuts[1] - cuts[0]) * c.kv_bytes_per_row
+    top = chain[-1]
+    assert top.segments[1] is ghost.segments[1]  # shared, not copied
+    chain = [chain[0], ghost, top]
+    if skip_segment is not None:
+        top = attrs.evolve(top, segments=top.segments[:skip_segment] + top.segments[skip_segment + 1:])
+    resumed = gpu.restore(top)
+    a = [gpu.prefill(fresh, ids, (cuts[-1], len(ids)))]
+    b = [gpu.prefill(resumed, ids, (cuts[-1], len(ids)))]
+    for _ in range(4):
+        a.append(gpu.decode([fresh], [int(np.argmax(a[-1]))])[0])
+        b.append(gpu.decode([resumed], [int(np.argmax(b[-1]))])[0])
+    gpu.release(fresh)
+    gpu.release(resumed)
+    return _same(a, b)
+
+
+def test_a_chain_of_keeps_resumes_exactly_through_a_ghost(models):
+    """DESIGN rule 3 on the device: each payload holds its fixed part and the K/V rows above
+    its base; restoring through a ghost equals never stopping, bit for bit."""
+    _, gpu = models
+    ids = _prompt(gpu.config, 300, 9)
+    assert _chain_resumes_exactly(gpu, ids, [64, 150, 256])
+    other = _prompt(gpu.config, 300, 10)  # the restored slot may hold rows of `ids` from the first run
+    assert not _chain_resumes_exactly(gpu, other, [64, 150, 256], skip_segment=1)
 
 
 def _decode_lanes(gpu, prompts, lanes_at_once, decode=None, with_states=False):
@@ -417,7 +458,7 @@ def _decode_lanes(gpu, prompts, lanes_at_once, decode=None, with_states=False):
         for g in range(0, len(states), lanes_at_once):
             rows.append(decode(states[g : g + lanes_at_once], tokens[g : g + lanes_at_once]))
         out.append(np.concatenate(rows))
-    packed = [gpu.snapshot(s).data.copy_to_host() for s in states] if with_states else None
+    packed = [gpu.pool.pack(s.slot, s.rows).copy_to_host() for s in states] if with_states else None
     for s in states:
         gpu.release(s)
     return (np.stack(out), packed) if with_states else np.stack(out)
