@@ -211,6 +211,9 @@ def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qw
                 backend.enable_decode_graphs(cfg.policy.lanes)
             if cfg.prefill_graphs:
                 backend.enable_prefill_graphs()
+            if cfg.policy.cache_enabled:
+                warm_up(backend)  # compile and allocate first: the reserve takes what is left
+                backend.reserve_cache(cfg.policy.prompt_cache_bytes)
             return backend, "cuda", rows
         except Exception as exc:  # ImportError, no GPU, a checkpoint the GPU backend cannot serve
             if model_dir is None:

@@ -25,6 +25,7 @@ from typing import Sequence
 import attrs
 import numpy as np
 import structlog
+from numba import cuda
 
 from executor.backend import frozen_logits, shared_segments
 from executor.config import FULL, Qwen35Config
@@ -534,6 +535,25 @@ class NumbaCudaBackend:
                                   int(positions.max()), 0).copy_to_host()
         self.advance(states, logits)
         return logits
+
+    def reserve_cache(self, nbytes: int, headroom_bytes: int = 8 << 30) -> int:
+        """Take payload memory from a stream-ordered pool grown now to min(nbytes, free device
+        memory - headroom_bytes) (`cache_memory.CacheMemory`: a keep then allocates from
+        memory the process holds, in exact sizes). Call once the weights, graphs and warm-up
+        hold their memory. Returns the bytes reserved (0: nothing reserved, or no memory
+        pools on this driver, logged; keeps then allocate as before)."""
+        from executor.numba_cuda.cache_memory import CacheMemory
+
+        if self.pool.memory is None:
+            self.pool.memory = CacheMemory.create(max(0, int(nbytes)))
+        memory = self.pool.memory
+        if memory is None:
+            return 0
+        free, _ = cuda.current_context().get_memory_info()
+        want = max(0, min(int(nbytes), int(free) - int(headroom_bytes)))
+        got = memory.reserve(want)
+        log.info("cache_memory_reserved", bytes=got, asked=int(nbytes), free=int(free))
+        return got
 
     def snapshot(self, state: DeviceState, base: DevicePayload | None = None) -> DevicePayload:
         """See `Backend.snapshot`: the fixed part (2 launches) and, above `base`, one new

@@ -24,7 +24,7 @@ from numba import cuda
 
 from executor.config import Qwen35Config
 from executor.numba_cuda.attention_mm import padded
-from executor.numba_cuda.device import THREADS, blocks, empty, zeros
+from executor.numba_cuda.device import THREADS, blocks, empty, using_pool, zeros
 from executor.numba_cuda.launch import fast
 
 
@@ -178,6 +178,9 @@ class StatePool:
                 flat = array[layer].reshape(array[layer].size)
                 _zero_kernel[blocks(flat.shape[0]), THREADS](flat)
         self._free = list(range(slots - 1, -1, -1))
+        self.memory = None
+        """Where payload buffers come from: a `cache_memory.CacheMemory` once the backend's
+        `reserve_cache` set one, else `device.empty`'s pool."""
         # [layers, slots, elements per slot] views of the same memory (a slot is one strided row set)
         self._recurrent3 = self.recurrent.reshape(lin, slots, vh * kd * vd)
         self._conv3 = self.conv.reshape(lin, slots, (c.linear_conv_kernel_dim - 1) * c.conv_channels)
@@ -225,7 +228,7 @@ class StatePool:
     def pack_fixed(self, slot: int):
         """A new device uint8 buffer [config.fixed_state_bytes]: the recurrent matrices then the
         conv tails of `slot` (2 launches)."""
-        data = empty((self.config.fixed_state_bytes,), np.uint8)
+        data = self._payload_buffer((self.config.fixed_state_bytes,), np.uint8)
         for part, view in self._fixed_views(data, slot):
             copy_rows(part, view)
         return data
@@ -237,6 +240,12 @@ class StatePool:
             raise ValueError(f"a fixed part of {data.shape[0]} bytes for {self.config.fixed_state_bytes}")
         for part, view in self._fixed_views(data, slot):
             copy_rows(view, part)
+
+    def _payload_buffer(self, shape: tuple, dtype):
+        if self.memory is None:
+            return empty(shape, dtype)
+        with using_pool(self.memory):
+            return empty(shape, dtype)
 
     def _fixed_views(self, data, slot: int):
         offset = 0
@@ -256,7 +265,7 @@ class StatePool:
         if not 0 <= start < end <= self.capacity_rows:
             raise ValueError(f"K/V rows [{start}, {end}) outside [0, {self.capacity_rows})")
         keys, values = self._row_views(slot, start, end)
-        data = empty((2,) + tuple(keys.shape), np.uint16)
+        data = self._payload_buffer((2,) + tuple(keys.shape), np.uint16)
         _copy_pair(keys, data[0], values, data[1])
         return KVSegment(start, end, data)
 

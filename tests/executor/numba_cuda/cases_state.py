@@ -96,6 +96,33 @@ def test_fixed_part_and_row_segments_pack_what_they_name_and_unpack_it(pool):
         pool.pack_rows(2, 30, pool.capacity_rows + 1)
 
 
+def test_payload_buffers_come_from_the_pool_memory_when_set(pool):
+    """With `memory` set (the backend's reserve_cache), pack_fixed and pack_rows allocate
+    there, each exactly its bytes; other buffers do not."""
+    from numba import cuda
+
+    class Recorder:
+        def __init__(self):
+            self.asked = []
+
+        def array(self, shape, dtype, stream=0):
+            self.asked.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+            return cuda.device_array(shape, dtype=dtype)
+
+    config = pool.config
+    h = _fill(pool, seed=4)
+    pool.memory = Recorder()
+    try:
+        fixed, seg = pool.pack_fixed(1), pool.pack_rows(1, 3, 10)
+        whole = pool.pack(1, 5)
+    finally:
+        recorder, pool.memory = pool.memory, None
+    assert recorder.asked == [config.state_bytes(0), 7 * config.kv_bytes_per_row]
+    assert fixed.copy_to_host().tobytes() == h["recurrent"][:, 1].tobytes() + h["conv"][:, 1].tobytes()
+    assert seg.data.copy_to_host()[0].tobytes() == h["keys"][:, 1, 3:10].tobytes()
+    assert whole.shape[0] == config.state_bytes(5)
+
+
 def test_take_zeroes_a_slot_unless_a_restore_overwrites_it(pool):
     h = _fill(pool)
     pool._free = [2, 1, 0]

@@ -596,3 +596,26 @@ def test_gemm_rows_are_the_reference_algorithm_s_at_every_row_count(preset_name,
     for m in (1, 2, 5, 15, 16, 17, 33, 63, 64, 65, 100, 255, 256, 257, 500, 1023, 1024, 1025):
         part = gemm.matmul(to_device(x[-m:]), w).copy_to_host()
         assert np.array_equal(part, full[-m:]), f"rows differ at M={m}"
+
+
+def test_payloads_from_reserved_cache_memory_resume_exactly_and_free(models):
+    """reserve_cache: payload buffers come from the stream-ordered pool (exact sizes, counted
+    in held_bytes), restores stay exact, and a dropped payload's memory goes back."""
+    _, gpu = models
+    got = gpu.reserve_cache(256 << 20, headroom_bytes=0)
+    memory = gpu.pool.memory
+    assert got == 256 << 20 and memory is not None and memory.reserved_bytes == 256 << 20
+    ids = _prompt(gpu.config, 300, 11)
+    assert _chain_resumes_exactly(gpu, ids, [64, 150, 256])
+    state = gpu.new_state()
+    gpu.prefill(state, ids, (0, 200), want_logits=False)
+    before = memory.held_bytes
+    kept = gpu.snapshot(state)
+    assert memory.held_bytes - before == gpu.payload_bytes(kept) == gpu.config.state_bytes(200)
+    resumed = gpu.restore(kept)
+    np.testing.assert_array_equal(gpu.pool.pack(resumed.slot, 200).copy_to_host(),
+                                  gpu.pool.pack(state.slot, 200).copy_to_host())
+    del kept
+    assert memory.held_bytes == before
+    gpu.release(state)
+    gpu.release(resumed)

@@ -1,0 +1,140 @@
+"""Device memory for kept states: a CUDA stream-ordered memory pool, reserved up front.
+
+A keep allocates its payload (`state.StatePool.pack_fixed`, `pack_rows`) while the prompt
+cache grows. From `device.POOL` that is a cuMemAlloc of memory the process never held: on
+the H200 a 2B keep of ~20 MB took 1.85 ms that way against 0.43 ms from cached blocks
+(bench/RESULTS.md, session 12), and the server's keeps cost ~0.95 ms where the profile,
+timed after the pool gave its blocks back, charged 0.53. A size-class cache does not help:
+every keep has its own size (the K/V rows above its parent), and the classes round up by up
+to 25%, which the store does not count.
+
+So payloads come from a `cuMemPoolCreate` pool (the driver's suballocator: exact sizes,
+reuse of freed memory of any size) whose release threshold is the prompt-cache budget, and
+`reserve` grows it to that budget once at start-up (one allocation, freed at once: the pool
+keeps the memory), as vLLM sizes its KV block pool before serving. Allocations and frees are
+stream-ordered on the legacy default stream, where every payload copy runs. A payload may
+die on any thread (the runtime drops evicted payloads in the serving loop); its free is
+queued and issued by the next allocation, on the thread that does the device work.
+
+Source: CUDA Driver API, "Stream Ordered Memory Allocator" (cuMemPoolCreate,
+cuMemPoolSetAttribute CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, cuMemAllocFromPoolAsync,
+cuMemFreeAsync).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import structlog
+from numba import cuda
+
+from executor.numba_cuda.device import IS_SIMULATOR, LeanArray
+
+log = structlog.get_logger()
+
+try:
+    from cuda.bindings import driver as _driver
+except ImportError:  # CPU-only installs: no CacheMemory (payloads use device.POOL)
+    _driver = None
+
+
+def _checked(result):
+    if result[0] != _driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {result[0]}")
+    return result[1] if len(result) == 2 else None
+
+
+class _Lease:
+    """A payload buffer in use: its free is queued when the last array on it is gone."""
+
+    __slots__ = ("memory", "ptr", "nbytes")
+
+    def __init__(self, memory: "CacheMemory", ptr: int, nbytes: int) -> None:
+        self.memory, self.ptr, self.nbytes = memory, ptr, nbytes
+
+    def __del__(self) -> None:
+        try:
+            self.memory._give(self.ptr, self.nbytes)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the memory goes with the process
+            pass
+
+
+class CacheMemory:
+    """A stream-ordered device memory pool for kept states (see the module docstring).
+
+    `array` has `device.DevicePool.array`'s signature, so `device.using_pool(memory)` routes
+    `device.empty` here. held_bytes: bytes of live payload buffers (freed ones excluded once
+    their free is queued). reserved_bytes: what `reserve` grew the pool to. Raises
+    RuntimeError when the driver has no memory pools (use `CacheMemory.create`).
+    """
+
+    def __init__(self, threshold_bytes: int) -> None:
+        if _driver is None or IS_SIMULATOR:
+            raise RuntimeError("stream-ordered memory pools need cuda.bindings and a GPU")
+        cuda.current_context()
+        device = _checked(_driver.cuCtxGetDevice())
+        props = _driver.CUmemPoolProps()
+        props.allocType = _driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.location.type = _driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = int(device)
+        self.handle = _checked(_driver.cuMemPoolCreate(props))
+        threshold = _driver.cuuint64_t(int(threshold_bytes))
+        _checked(_driver.cuMemPoolSetAttribute(
+            self.handle, _driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold))
+        self.threshold_bytes = int(threshold_bytes)
+        self.reserved_bytes = 0
+        self.held_bytes = 0
+        self._stream = _driver.CUstream(0)
+        self._pending: list[int] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, threshold_bytes: int) -> "CacheMemory | None":
+        """A CacheMemory, or None (logged) where the driver or device has no memory pools."""
+        try:
+            return cls(threshold_bytes)
+        except Exception as exc:  # noqa: BLE001 - an old driver: payloads stay on device.POOL
+            log.warning("cache_memory_off", reason=repr(exc))
+            return None
+
+    def reserve(self, nbytes: int) -> int:
+        """Grow the pool to hold `nbytes` (one allocation, freed at once; the release
+        threshold keeps the memory). Returns the bytes reserved: `nbytes`, or 0 when the
+        device cannot give them (logged; keeps then grow the pool as they come)."""
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            return 0
+        try:
+            ptr = _checked(_driver.cuMemAllocFromPoolAsync(nbytes, self.handle, self._stream))
+            _checked(_driver.cuMemFreeAsync(ptr, self._stream))
+            cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - out of memory: reserve nothing, serve on
+            log.warning("cache_memory_reserve_failed", bytes=nbytes, error=repr(exc))
+            return 0
+        self.reserved_bytes = max(self.reserved_bytes, nbytes)
+        return nbytes
+
+    def array(self, shape: tuple, dtype: np.dtype, stream=0) -> LeanArray:
+        """A C-contiguous `LeanArray` of `shape` (all > 0) and `dtype` from the pool, ordered
+        on the legacy default stream. Raises RuntimeError when the device is out of memory."""
+        cuda.current_context()  # numba's context is current on this thread
+        self._drain()
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        ptr = int(_checked(_driver.cuMemAllocFromPoolAsync(nbytes, self.handle, self._stream)))
+        with self._lock:
+            self.held_bytes += nbytes
+        return LeanArray.c_contiguous(ptr, tuple(shape), np.dtype(dtype), _Lease(self, ptr, nbytes))
+
+    def _give(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            self._pending.append(ptr)
+            self.held_bytes -= nbytes
+
+    def _drain(self) -> None:
+        """Issue the queued frees (stream-ordered: after the work already queued on them)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for ptr in pending:
+            _checked(_driver.cuMemFreeAsync(_driver.CUdeviceptr(ptr), self._stream))
