@@ -78,10 +78,8 @@ from sim.cost import Grid, HostCost, Profile, TableCost, load_profile, profile_t
 
 PROMPT_CACHE_GIB = 4
 """The server policy's prompt cache budget, GiB (--server-args may override it): room for the longest
-context's kept prefix and a few points. Not the 64 GiB default: the store counts a kept
-state's own K/V rows, while the GPU backend keeps every state whole, so device memory runs
-several times the budget when states share a prefix, as every point at one context does (a
-review's estimate for the full grids at 64 GiB: 9B ~173 GiB, 27B ~368 GiB; the H200 has 139)."""
+context's kept prefix and a few points, and a small reserve of cache memory at start-up
+(`NumbaCudaBackend.reserve_cache`) beside the 64 GiB default."""
 
 IDS = (1000, 30000)
 """Random prompt token ids are drawn from [IDS[0], IDS[1]) (inside every Qwen3.5 vocabulary)."""

@@ -536,12 +536,14 @@ class NumbaCudaBackend:
         self.advance(states, logits)
         return logits
 
-    def reserve_cache(self, nbytes: int, headroom_bytes: int = 8 << 30) -> int:
+    def reserve_cache(self, nbytes: int, headroom_bytes: int = 20 << 30) -> int:
         """Take payload memory from a stream-ordered pool grown now to min(nbytes, free device
         memory - headroom_bytes) (`cache_memory.CacheMemory`: a keep then allocates from
         memory the process holds, in exact sizes). Call once the weights, graphs and warm-up
-        hold their memory. Returns the bytes reserved (0: nothing reserved, or no memory
-        pools on this driver, logged; keeps then allocate as before)."""
+        hold their memory. headroom_bytes: left for activations (device.POOL caches up to 16
+        GiB of them by default; memory the reserve holds is not given back on their OOM).
+        Returns the bytes reserved (0: nothing reserved, or no memory pools on this driver,
+        logged; keeps then allocate as before)."""
         from executor.numba_cuda.cache_memory import CacheMemory
 
         if self.pool.memory is None:
