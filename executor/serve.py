@@ -231,15 +231,24 @@ def random_model_id(name: str, seed: int) -> str:
 
 
 def warm_up(backend: Backend) -> None:
-    """Run one tiny prefill and decode so kernels compile before the server says ready."""
+    """Run one tiny prefill, decode, keep and restore, so their kernels compile before the
+    server says ready: a keep chained on another (`Backend.snapshot` with a base) and the
+    restore of the chain. Without it the first request's keep compiled the payload copy
+    kernels (105 ms in session 12's fidelity run; bench/RESULTS.md)."""
     state = backend.new_state()
+    restored = None
     try:
-        logits = backend.prefill(state, (0, 1), (0, 2))
+        backend.prefill(state, (0, 1, 2), (0, 1), want_logits=False)
+        first = backend.snapshot(state)
+        logits = backend.prefill(state, (0, 1, 2), (1, 3))
+        restored = backend.restore(backend.snapshot(state, first))
         backend.decode([state], [int(logits.argmax())])
     finally:
         release = getattr(backend, "release", None)
         if release is not None:
-            release(state)
+            for s in (state, restored):
+                if s is not None:
+                    release(s)
 
 
 def _git_commit() -> str | None:

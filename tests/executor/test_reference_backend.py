@@ -197,3 +197,31 @@ def test_a_chain_of_keeps_shares_kv_rows_and_resumes_exactly_through_a_ghost(bac
     want = backend.prefill(state, prompt, (120, PROMPT_ROWS))
     assert np.array_equal(backend.prefill(resumed, prompt, (120, PROMPT_ROWS)), want)
     assert np.array_equal(backend.decode([resumed], [7])[0], backend.decode([state], [7])[0])
+
+
+def test_serve_warm_up_runs_every_kind_of_backend_call(backend):
+    """executor.serve.warm_up compiles what the first request would: prefill, a keep, a keep
+    chained on it, its restore and a decode, and gives its states back."""
+    from executor.serve import warm_up
+
+    calls = []
+
+    class Recording:
+        config = backend.config
+
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(name if name != "snapshot" else ("snapshot", len(args) > 1))
+                return getattr(backend, name)(*args)
+            return call
+
+        def prefill(self, state, ids, rows, want_logits=True):
+            calls.append("prefill")
+            return backend.prefill(state, ids, rows, want_logits=want_logits)
+
+        def release(self, state):
+            calls.append("release")
+
+    warm_up(Recording())
+    assert calls == ["new_state", "prefill", ("snapshot", False), "prefill", ("snapshot", True), "restore",
+                     "decode", "release", "release"]
