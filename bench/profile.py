@@ -8,10 +8,12 @@ calls the server's stepper makes (executor/stepper.py): a prefill chunk with its
 detokenized; a decode round with every lane's logits on the host and each lane's token picked
 and detokenized (executor.stops.TextStream with the real Qwen3.5 vocabulary, as the stepper);
 payloads.snapshot / restore of a state with its last row's logits (as a kept row holds
-them), each keep into fresh device memory (`Rig.uncache` first gives the pool's cached
-blocks back, outside the timing): a server's keeps allocate while its prompt cache grows
-(2B, 19 MiB: a median 0.87-0.99 ms a keep in the server against 0.14 ms into a cached
-block, RESULTS.md session 10). The device is synchronised before and after each timed call. A
+them), each keep into memory it has not used (`Rig.uncache` first gives the device pool's
+cached blocks back, outside the timing): a server's keeps allocate while its prompt cache
+grows (2B, 19 MiB: a median 0.87-0.99 ms a keep in the server against 0.14 ms into a cached
+block, RESULTS.md session 10). On the GPU the rig reserves cache memory first
+(`NumbaCudaBackend.reserve_cache`, KEEP_RESERVE_BYTES), as the server does since session
+12, so keeps come from the reserved pool as the server's do. The device is synchronised before and after each timed call. A
 state at a context comes from a real prefill on the reference backend, and on the GPU from
 random K/V rows and recurrent states (bench/decode_prefill.py's `_fresh_states`: attention and
 the delta rule cost the same whatever the values). After the warm-up the collector's objects
@@ -368,6 +370,11 @@ def reference_rig(model_dir: Path) -> Rig:
                device=f"CPU {platform.machine()}", model=model_dir.name)
 
 
+KEEP_RESERVE_BYTES = 16 << 30
+"""Cache memory the GPU rig reserves for its timed keeps (each grid context keeps `repeat`
+states; the 27B at 32K holds ~2.3 GB a state)."""
+
+
 def cuda_rig(preset_name: str, grid: ProfileGrid, graphs: bool, prefill_graphs: bool = True) -> Rig:
     """The numba-cuda backend on seeded random weights at a preset's shape (made on the GPU);
     states at a context hold random K/V rows and recurrent states. graphs: decode rounds
@@ -390,6 +397,7 @@ def cuda_rig(preset_name: str, grid: ProfileGrid, graphs: bool, prefill_graphs: 
         captured.prepare(sorted(set(grid.lanes)))  # as the server does before it is ready
     if prefill_graphs:
         backend.enable_prefill_graphs()
+    backend.reserve_cache(KEEP_RESERVE_BYTES)  # keeps from reserved cache memory, as the server's
     key = preset_name.rsplit("/", 1)[-1].lower()
     return Rig(backend=backend, states_at=lambda ctx, n: _fresh_states(backend, n, ctx, grid.seed), sync=synchronize,
                decode=captured.decode if captured else backend.decode, label="numba_cuda", device=device_name(),

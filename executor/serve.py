@@ -134,7 +134,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-cache-gib", type=float, metavar="G",
                     help=f"prompt-cache budget, GiB: the device memory kept states hold (each its fixed "
                          f"part and only the K/V rows above the kept prefix it extends, shared, not "
-                         f"copied); 0 turns the cache and warm passes off (default: {p.prompt_cache_bytes / GIB:g})")
+                         f"copied), reserved at start-up on the GPU (up to free memory less 20 GiB); 0 turns "
+                         f"the cache and warm passes off (default: {p.prompt_cache_bytes / GIB:g})")
     ap.add_argument("--request-starts", action=argparse.BooleanOptionalAction, default=None,
                     help=f"cut and keep at chat-message starts (default: {p.request_starts})")
     ap.add_argument("--snap-starts", action=argparse.BooleanOptionalAction, default=None,
