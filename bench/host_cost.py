@@ -138,7 +138,9 @@ class NullBackend:
 
     def snapshot(self, state: NullState, base: NullPayload | None = None) -> NullPayload:
         self.calls.append(("snapshot", time.perf_counter(), 0, False))
-        return NullPayload(state.rows, 0 if base is None else base.rows)
+        if base is None:
+            return NullPayload(state.rows, 0)
+        return NullPayload(state.rows, base.kv_from if base.rows == state.rows else base.rows)
 
     def ghost(self, payload: NullPayload) -> NullPayload:
         return NullPayload(payload.rows, payload.kv_from, True)

@@ -8,12 +8,11 @@ calls the server's stepper makes (executor/stepper.py): a prefill chunk with its
 detokenized; a decode round with every lane's logits on the host and each lane's token picked
 and detokenized (executor.stops.TextStream with the real Qwen3.5 vocabulary, as the stepper);
 payloads.snapshot / restore of a state with its last row's logits (as a kept row holds
-them), each keep into memory it has not used (`Rig.uncache` first gives the device pool's
-cached blocks back, outside the timing): a server's keeps allocate while its prompt cache
-grows (2B, 19 MiB: a median 0.87-0.99 ms a keep in the server against 0.14 ms into a cached
-block, RESULTS.md session 10). On the GPU the rig reserves cache memory first
-(`NumbaCudaBackend.reserve_cache`, KEEP_RESERVE_BYTES), as the server does since session
-12, so keeps come from the reserved pool as the server's do. The device is synchronised before and after each timed call. A
+them). On the GPU the rig reserves cache memory first (`NumbaCudaBackend.reserve_cache`,
+KEEP_RESERVE_BYTES), as the server does since session 12, so keeps come from the reserved
+pool as the server's do (`Rig.uncache` still gives the device pool's cached blocks back
+before each keep, outside the timing; it matters where no cache memory is reserved: a
+keep into memory the process never held cost 1.5-1.9 ms at 2B, RESULTS.md session 12). The device is synchronised before and after each timed call. A
 state at a context comes from a real prefill on the reference backend, and on the GPU from
 random K/V rows and recurrent states (bench/decode_prefill.py's `_fresh_states`: attention and
 the delta rule cost the same whatever the values). After the warm-up the collector's objects

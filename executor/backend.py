@@ -65,8 +65,9 @@ class Backend(Protocol):
         [0, base.rows) equal the state's (the store's parent: same tokens, same cuts; the
         caller's guarantee, DESIGN rule 3). The payload then shares base's K/V rows and
         copies only the fixed part and the rows [base.rows, rows); kv_from is base.rows (0
-        without a base; rows when base.rows == rows: a ghost revived). Raises ValueError when
-        base holds more rows than the state.
+        without a base), or base.kv_from when base.rows == rows (a ghost revived: the rows it
+        holds itself are the ghost's). Raises ValueError when base holds more rows than the
+        state.
         """
 
     def restore(self, payload: Any) -> Any:

@@ -298,6 +298,7 @@ class Runtime:
                 self._run_background()
                 outcome = await running
                 self._commit(plan, outcome, self._clock() - t0)
+                plan = outcome = running = None  # a refused keep's snapshot goes now, not after the next step
             except Exception as exc:  # a bug here must not leave clients hanging
                 log.exception("runtime_failed")
                 self.broken = repr(exc)

@@ -212,9 +212,6 @@ def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qw
                 backend.enable_decode_graphs(cfg.policy.lanes)
             if cfg.prefill_graphs:
                 backend.enable_prefill_graphs()
-            if cfg.policy.cache_enabled:
-                warm_up(backend)  # compile and allocate first: the reserve takes what is left
-                backend.reserve_cache(cfg.policy.prompt_cache_bytes)
             return backend, "cuda", rows
         except Exception as exc:  # ImportError, no GPU, a checkpoint the GPU backend cannot serve
             if model_dir is None:
@@ -337,6 +334,9 @@ async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None,
         asyncio.to_thread(load_backend, cfg.backend, model.model_dir, cfg, model.config),
     )
     await asyncio.to_thread(warm_up, backend)
+    reserve = getattr(backend, "reserve_cache", None)
+    if reserve is not None and cfg.policy.cache_enabled:  # after the warm-up: it takes what is left
+        await asyncio.to_thread(reserve, cfg.policy.prompt_cache_bytes)
     gc.collect()
     gc.freeze()  # start-up objects (weights, kernels, tokenizer) leave the collector's scans
     return Runtime(backend, tokenizer, cfg.policy, trace=trace, steps=steps), ChatRenderer(tokenizer, model.template), \

@@ -541,13 +541,14 @@ class NumbaCudaBackend:
         memory - headroom_bytes) (`cache_memory.CacheMemory`: a keep then allocates from
         memory the process holds, in exact sizes). Call once the weights, graphs and warm-up
         hold their memory. headroom_bytes: left for activations (device.POOL caches up to 16
-        GiB of them by default; memory the reserve holds is not given back on their OOM).
-        Returns the bytes reserved (0: nothing reserved, or no memory pools on this driver,
-        logged; keeps then allocate as before)."""
+        GiB of them by default; an activation that finds no memory trims the cache pool's
+        unused part). Returns the bytes reserved: 0 when nothing could be reserved (keeps
+        still come from the pool, which grows as they come) or when the driver has no memory
+        pools (logged; keeps then allocate from device.POOL)."""
         from executor.numba_cuda.cache_memory import CacheMemory
 
         if self.pool.memory is None:
-            self.pool.memory = CacheMemory.create(max(0, int(nbytes)))
+            self.pool.memory = CacheMemory.create()
         memory = self.pool.memory
         if memory is None:
             return 0

@@ -9,16 +9,21 @@ every keep has its own size (the K/V rows above its parent), and the classes rou
 to 25%, which the store does not count.
 
 So payloads come from a `cuMemPoolCreate` pool (the driver's suballocator: exact sizes,
-reuse of freed memory of any size) whose release threshold is the prompt-cache budget, and
-`reserve` grows it to that budget once at start-up (one allocation, freed at once: the pool
-keeps the memory), as vLLM sizes its KV block pool before serving. Allocations and frees are
-stream-ordered on the legacy default stream, where every payload copy runs. A payload may
-die on any thread (the runtime drops evicted payloads in the serving loop); its free is
-queued and issued by the next allocation, on the thread that does the device work.
+reuse of freed memory of any size) that never gives memory back on its own (release
+threshold: no limit), and `reserve` grows it once at start-up to the budget or what the
+device can spare (one allocation, freed at once: the pool keeps the memory), as vLLM sizes
+its KV block pool before serving. A keep copies before its commit evicts, so at a full cache
+the pool briefly holds the budget and one keep; that growth stays in the pool for the next
+keeps instead of being mapped again each time. On an allocation failure the device pool's
+cached blocks are given back and the allocation tried once more; the device pool's own
+failures trim this pool's unused memory (`trim`, via `DevicePool.on_oom`). Allocations and
+frees are stream-ordered on the legacy default stream, where every payload copy runs. A
+payload may die on any thread (the runtime drops evicted payloads in the serving loop); its
+free is queued and issued by the next allocation, on the thread that does the device work.
 
 Source: CUDA Driver API, "Stream Ordered Memory Allocator" (cuMemPoolCreate,
 cuMemPoolSetAttribute CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, cuMemAllocFromPoolAsync,
-cuMemFreeAsync).
+cuMemFreeAsync, cuMemPoolTrimTo).
 """
 
 from __future__ import annotations
@@ -66,11 +71,11 @@ class CacheMemory:
 
     `array` has `device.DevicePool.array`'s signature, so `device.using_pool(memory)` routes
     `device.empty` here. held_bytes: bytes of live payload buffers (freed ones excluded once
-    their free is queued). reserved_bytes: what `reserve` grew the pool to. Raises
+    their free is queued). reserved_bytes: the largest `reserve` that succeeded. Raises
     RuntimeError when the driver has no memory pools (use `CacheMemory.create`).
     """
 
-    def __init__(self, threshold_bytes: int) -> None:
+    def __init__(self) -> None:
         if _driver is None or IS_SIMULATOR:
             raise RuntimeError("stream-ordered memory pools need cuda.bindings and a GPU")
         cuda.current_context()
@@ -80,21 +85,25 @@ class CacheMemory:
         props.location.type = _driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         props.location.id = int(device)
         self.handle = _checked(_driver.cuMemPoolCreate(props))
-        threshold = _driver.cuuint64_t(int(threshold_bytes))
+        no_limit = _driver.cuuint64_t(2**64 - 1)
         _checked(_driver.cuMemPoolSetAttribute(
-            self.handle, _driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold))
-        self.threshold_bytes = int(threshold_bytes)
+            self.handle, _driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, no_limit))
         self.reserved_bytes = 0
         self.held_bytes = 0
         self._stream = _driver.CUstream(0)
         self._pending: list[int] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # RLock: a lease may die inside a locked section
+        from executor.numba_cuda.device import POOL
+
+        self._device_pool = POOL
+        if POOL is not None:
+            POOL.on_oom.append(self.trim)
 
     @classmethod
-    def create(cls, threshold_bytes: int) -> "CacheMemory | None":
+    def create(cls) -> "CacheMemory | None":
         """A CacheMemory, or None (logged) where the driver or device has no memory pools."""
         try:
-            return cls(threshold_bytes)
+            return cls()
         except Exception as exc:  # noqa: BLE001 - an old driver: payloads stay on device.POOL
             log.warning("cache_memory_off", reason=repr(exc))
             return None
@@ -118,11 +127,18 @@ class CacheMemory:
 
     def array(self, shape: tuple, dtype: np.dtype, stream=0) -> LeanArray:
         """A C-contiguous `LeanArray` of `shape` (all > 0) and `dtype` from the pool, ordered
-        on the legacy default stream. Raises RuntimeError when the device is out of memory."""
+        on the legacy default stream. On an allocation failure the device pool's cached blocks
+        are given back and it is tried once more; raises RuntimeError when that fails too."""
         cuda.current_context()  # numba's context is current on this thread
         self._drain()
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        ptr = int(_checked(_driver.cuMemAllocFromPoolAsync(nbytes, self.handle, self._stream)))
+        try:
+            ptr = int(_checked(_driver.cuMemAllocFromPoolAsync(nbytes, self.handle, self._stream)))
+        except RuntimeError:
+            if self._device_pool is None:
+                raise
+            self._device_pool.release()
+            ptr = int(_checked(_driver.cuMemAllocFromPoolAsync(nbytes, self.handle, self._stream)))
         with self._lock:
             self.held_bytes += nbytes
         return LeanArray.c_contiguous(ptr, tuple(shape), np.dtype(dtype), _Lease(self, ptr, nbytes))
@@ -132,9 +148,20 @@ class CacheMemory:
             self._pending.append(ptr)
             self.held_bytes -= nbytes
 
+    def trim(self) -> None:
+        """Give the pool's unused memory back to the device (`cuMemPoolTrimTo` to 0: live
+        payloads stay). The device pool calls it before retrying a failed allocation."""
+        self._drain()
+        cuda.synchronize()
+        _checked(_driver.cuMemPoolTrimTo(self.handle, 0))
+
     def _drain(self) -> None:
-        """Issue the queued frees (stream-ordered: after the work already queued on them)."""
+        """Issue the queued frees (stream-ordered: after the work already queued on them);
+        a free the driver refuses is logged and dropped (its memory stays with the pool)."""
         with self._lock:
             pending, self._pending = self._pending, []
         for ptr in pending:
-            _checked(_driver.cuMemFreeAsync(_driver.CUdeviceptr(ptr), self._stream))
+            try:
+                _checked(_driver.cuMemFreeAsync(_driver.CUdeviceptr(ptr), self._stream))
+            except RuntimeError as exc:
+                log.error("cache_memory_free_failed", ptr=ptr, error=repr(exc))

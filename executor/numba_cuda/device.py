@@ -354,7 +354,7 @@ class DevicePool:
     a block returned past it is retired, and retired blocks are freed (after a device
     synchronize, since cuMemFree must not race queued work) at the next allocation that
     misses the cache, or by `release`. On an allocation failure every cached and retired
-    block is freed and the allocation tried once more, unless `release_on_oom` is False
+    block is freed (and `on_oom` run) and the allocation tried once more, unless `release_on_oom` is False
     (graphs.PrefillGraphs' private pool: its cached blocks are buffers that captured graphs
     still use, so a failure raises instead). The process's `POOL` is enabled unless
     WARMSTATE_DEVICE_POOL=0; the simulator never pools.
@@ -363,6 +363,9 @@ class DevicePool:
     def __init__(self, limit_bytes: int, release_on_oom: bool = True) -> None:
         self.limit_bytes = limit_bytes
         self.release_on_oom = release_on_oom
+        self.on_oom: list = []
+        """Callables that give other pools' unused memory back before the retry after an
+        allocation failure (`cache_memory.CacheMemory.trim`)."""
         self.cached_bytes = 0
         self.hits = self.misses = 0
         self._free: dict[int, list[int]] = {}
@@ -391,6 +394,8 @@ class DevicePool:
             if not self.release_on_oom:
                 raise
             self.release()
+            for give_back in self.on_oom:
+                give_back()
             return int(driver.cuMemAlloc(size))
 
     def _give(self, size: int, ptr: int) -> None:

@@ -7,7 +7,7 @@ then every linear layer's conv tail) and the K/V rows [0, rows) as a chain of `K
 root first. A payload copies only the segment above the payload it builds on (its *base*:
 the nearest kept prefix, `policy.store.Store.keep_copy`) and shares the base's segments, so
 device memory is what the store counts (DESIGN rule 3: K/V rows shared with a kept prefix
-are not held twice). A ghost payload (`DeviceBackend.ghost`) drops the fixed part and keeps
+are not held twice). A ghost payload (`NumbaCudaBackend.ghost`) drops the fixed part and keeps
 its segments for the longer states built on it.
 
 Each part is one strided copy launch (the fixed part 2, each segment 1 for its K and V), not

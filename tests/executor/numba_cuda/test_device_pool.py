@@ -104,3 +104,20 @@ def test_a_lease_dying_while_release_walks_the_free_lists_is_freed_once_later(fa
 
     assert sorted(fake_driver.freed) == sorted(fake_driver.allocated)  # each block freed exactly once
     assert pool.cached_bytes == 0
+
+
+def test_an_allocation_failure_runs_the_on_oom_hooks_before_the_retry(fake_driver):
+    """After its own cached blocks, the pool asks the others (the cache memory's `trim`) to
+    give unused memory back, then tries once more; a pool without release_on_oom raises."""
+    pool = device.DevicePool(limit_bytes=1 << 20)
+    order = []
+    pool.on_oom.append(lambda: order.append(("hook", len(fake_driver.allocated))))
+    fake_driver.fail_next_alloc = True
+    held = pool.array((64,), np.dtype(np.float32))
+    assert order == [("hook", 0)] and held.ptr == fake_driver.allocated[-1] and len(fake_driver.allocated) == 1
+    strict = device.DevicePool(limit_bytes=1 << 20, release_on_oom=False)
+    strict.on_oom.append(lambda: order.append("strict hook"))
+    fake_driver.fail_next_alloc = True
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        strict.array((64,), np.dtype(np.float32))
+    assert order == [("hook", 0)]

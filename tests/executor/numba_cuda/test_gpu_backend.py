@@ -619,3 +619,5 @@ def test_payloads_from_reserved_cache_memory_resume_exactly_and_free(models):
     assert memory.held_bytes == before
     gpu.release(state)
     gpu.release(resumed)
+    memory.trim()  # unused memory back to the device; the module's later tests use device.POOL
+    gpu.pool.memory = None
