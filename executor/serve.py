@@ -133,9 +133,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=d.port, help=f"0 picks a free port (default: {d.port})")
     ap.add_argument("--prompt-cache-gib", type=float, metavar="G",
                     help=f"prompt-cache budget, GiB: the device memory kept states hold (each its fixed "
-                         f"part and only the K/V rows above the kept prefix it extends, shared, not "
-                         f"copied), reserved at start-up on the GPU (up to free memory less 20 GiB); 0 turns "
-                         f"the cache and warm passes off (default: {p.prompt_cache_bytes / GIB:g})")
+                         f"part and its own K/V rows; the rows below, its parent's, are shared, not copied), "
+                         f"reserved at start-up on the GPU, at most free memory less 20 GiB (the budget is "
+                         f"lowered to what was reserved); 0 turns the cache and warm passes off and reserves "
+                         f"nothing (default: {p.prompt_cache_bytes / GIB:g})")
     ap.add_argument("--request-starts", action=argparse.BooleanOptionalAction, default=None,
                     help=f"cut and keep at chat-message starts (default: {p.request_starts})")
     ap.add_argument("--snap-starts", action=argparse.BooleanOptionalAction, default=None,
@@ -228,11 +229,23 @@ def random_model_id(name: str, seed: int) -> str:
     return f"{name.rsplit('/', 1)[-1].lower()}-random-s{seed}"
 
 
+def cache_budget(policy: PolicyConfig, held_bytes: int) -> PolicyConfig:
+    """The policy with its prompt-cache budget lowered to `held_bytes`, the cache memory the
+    backend could reserve (`NumbaCudaBackend.reserve_cache`), when that is less (logged as
+    `prompt_cache_lowered`): the store must not count more than the device holds. 0 turns
+    the cache and warm passes off."""
+    if held_bytes >= policy.prompt_cache_bytes:
+        return policy
+    log.warning("prompt_cache_lowered", asked_gib=round(policy.prompt_cache_bytes / GIB, 2),
+                held_gib=round(held_bytes / GIB, 2), why="the GPU cannot spare the budget beside 20 GiB for activations")
+    return policy.with_changes(prompt_cache_bytes=max(0, int(held_bytes)))
+
+
 def warm_up(backend: Backend) -> None:
     """Run one tiny prefill, decode, keep and restore, so their kernels compile before the
     server says ready: a keep chained on another (`Backend.snapshot` with a base) and the
     restore of the chain. Without it the first request's keep compiled the payload copy
-    kernels (105 ms in session 12's fidelity run; bench/RESULTS.md)."""
+    kernels (105 ms in session 12's call 5; bench/RESULTS.md)."""
     state = backend.new_state()
     restored = None
     try:
@@ -334,12 +347,13 @@ async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None,
         asyncio.to_thread(load_backend, cfg.backend, model.model_dir, cfg, model.config),
     )
     await asyncio.to_thread(warm_up, backend)
+    policy = cfg.policy
     reserve = getattr(backend, "reserve_cache", None)
-    if reserve is not None and cfg.policy.cache_enabled:  # after the warm-up: it takes what is left
-        await asyncio.to_thread(reserve, cfg.policy.prompt_cache_bytes)
+    if reserve is not None and policy.cache_enabled:  # after the warm-up: it takes what is left
+        policy = cache_budget(policy, await asyncio.to_thread(reserve, policy.prompt_cache_bytes))
     gc.collect()
     gc.freeze()  # start-up objects (weights, kernels, tokenizer) leave the collector's scans
-    return Runtime(backend, tokenizer, cfg.policy, trace=trace, steps=steps), ChatRenderer(tokenizer, model.template), \
+    return Runtime(backend, tokenizer, policy, trace=trace, steps=steps), ChatRenderer(tokenizer, model.template), \
         backend_name, context_rows
 
 

@@ -542,16 +542,20 @@ class NumbaCudaBackend:
         memory the process holds, in exact sizes). Call once the weights, graphs and warm-up
         hold their memory. headroom_bytes: left for activations (device.POOL caches up to 16
         GiB of them by default; an activation that finds no memory trims the cache pool's
-        unused part). Returns the bytes reserved: 0 when nothing could be reserved (keeps
-        still come from the pool, which grows as they come) or when the driver has no memory
-        pools (logged; keeps then allocate from device.POOL)."""
+        unused part, never a kept state).
+
+        Returns the prompt-cache budget this device holds, bytes: nbytes when all of it was
+        reserved, else what was (0 when the device cannot spare any), so the caller can lower
+        its budget: a store counting more than the reserve would grow the cache into the
+        activations' headroom. nbytes unchanged where the driver has no memory pools (logged;
+        keeps then allocate from device.POOL as before the reserve existed)."""
         from executor.numba_cuda.cache_memory import CacheMemory
 
         if self.pool.memory is None:
             self.pool.memory = CacheMemory.create()
         memory = self.pool.memory
         if memory is None:
-            return 0
+            return int(nbytes)
         free, _ = cuda.current_context().get_memory_info()
         want = max(0, min(int(nbytes), int(free) - int(headroom_bytes)))
         got = memory.reserve(want)

@@ -2,9 +2,10 @@
 
 A keep allocates its payload (`state.StatePool.pack_fixed`, `pack_rows`) while the prompt
 cache grows. From `device.POOL` that is a cuMemAlloc of memory the process never held: on
-the H200 a 2B keep of ~20 MB took 1.85 ms that way against 0.43 ms from cached blocks
-(bench/RESULTS.md, session 12), and the server's keeps cost ~0.95 ms where the profile,
-timed after the pool gave its blocks back, charged 0.53. A size-class cache does not help:
+the H200 a whole 2B state at 576 rows (26.6 MB) took 1.47-1.85 ms that way against 0.33-0.43
+ms into cached blocks and 0.57 ms from reserved memory (bench/RESULTS.md, session 12), and
+the server's keeps (~20 MB each) cost ~0.95 ms where the profile, timed after the pool gave
+its blocks back, charged 0.53. A size-class cache does not help:
 every keep has its own size (the K/V rows above its parent), and the classes round up by up
 to 25%, which the store does not count.
 

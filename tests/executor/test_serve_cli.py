@@ -93,3 +93,16 @@ def test_in_process_server_serves_and_stops():
         assert '"engine_process": false' in server.stderr_tail(100)
     finally:
         assert server.stop() == 0
+
+
+def test_the_cache_budget_is_lowered_to_what_the_gpu_reserved():
+    """A store counting more than the reserved cache memory would grow into the activations'
+    room: the server takes the reserve as its budget when it is less, else keeps its own."""
+    from executor.serve import cache_budget
+
+    policy = PolicyConfig(prompt_cache_bytes=64 * GIB)
+    assert cache_budget(policy, 64 * GIB) is policy and cache_budget(policy, 80 * GIB) is policy
+    lowered = cache_budget(policy, 40 * GIB)
+    assert lowered.prompt_cache_bytes == 40 * GIB and lowered.cache_enabled
+    assert lowered.with_changes(prompt_cache_bytes=64 * GIB) == policy  # nothing else changed
+    assert not cache_budget(policy, 0).cache_enabled
