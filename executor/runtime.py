@@ -415,7 +415,7 @@ class Runtime:
                     self._apply(self.scheduler.unkeep(e.entry, self.now(), held=held))
                     continue
                 own_from = e.entry.row - e.entry.own_rows
-                if snapshot.rows != e.entry.row or snapshot.kv_from not in (own_from, e.entry.row):
+                if snapshot.rows != e.entry.row or snapshot.kv_from != own_from:
                     # the plan's KeepCopy and the store disagree (policy checks it; a bug): keep nothing
                     log.error("keep_mismatch", entry=e.entry.id, row=e.entry.row, own_from=own_from,
                               snapshot_rows=snapshot.rows, kv_from=snapshot.kv_from)

@@ -191,16 +191,14 @@ class Stepper:
             self._first_token(run.stream, live, logits, out)
 
     def _keep(self, run: ChunkRun, state: Any, logits: np.ndarray | None) -> payloads.Payload | None:
-        """The payload the chunk's keep makes, copying what its `KeepCopy` says: nothing for a
-        state kept already, the logits for one that gains them, the fixed part for a ghost
-        that comes back, the fixed part and the K/V rows above the parent for a new one (a
-        run without a KeepCopy copies the whole state). Raises ValueError when the entry
+        """The payload the chunk's keep makes, copying what its `KeepCopy` says (the caller
+        skips Copy.NOTHING): the logits for a state that gains them, the fixed part for a
+        ghost that comes back, the fixed part and the K/V rows above the parent for a new one
+        (a run without a KeepCopy copies the whole state). Raises ValueError when the entry
         the copy builds on has no payload."""
         copy = run.keep_copy
         if copy is None:
             return payloads.snapshot(self.backend, state, logits)
-        if copy.copy is Copy.NOTHING:
-            return None
         base = None
         if copy.base is not None:
             base = copy.base.payload

@@ -231,14 +231,19 @@ class Store:
         commit, so the scheduler plans the snapshot with this and `keep` then agrees."""
         if not self.cfg.cache_enabled:
             return KeepCopy(Copy.NOTHING, row)
+        return self._plan_keep(prompt, row, fingerprint, has_logits)[1]
+
+    def _plan_keep(self, prompt: Prompt, row: int, fingerprint: Fingerprint,
+                   has_logits: bool) -> tuple[Entry | None, KeepCopy]:
+        """(the entry already at this state's key, live or ghost, or None; the KeepCopy)."""
         found = self._by_row.get(row, {}).get((prompt.digest(row), fingerprint))
         if found is not None and found.live:
             if found.has_logits or not has_logits:
-                return KeepCopy(Copy.NOTHING, row)
-            return KeepCopy(Copy.LOGITS, row, found)
+                return found, KeepCopy(Copy.NOTHING, row)
+            return found, KeepCopy(Copy.LOGITS, row, found)
         if found is not None:
-            return KeepCopy(Copy.FIXED, row, found)
-        return KeepCopy(Copy.STATE, row, self._parent_for(prompt, row, fingerprint))
+            return found, KeepCopy(Copy.FIXED, row, found)
+        return None, KeepCopy(Copy.STATE, row, self._parent_for(prompt, row, fingerprint))
 
     def keep(
         self,
@@ -263,21 +268,16 @@ class Store:
             return KeepResult(None, (), "cache_off")
         if not 0 < row <= len(prompt):
             raise ValueError(f"row {row} outside (0, {len(prompt)}]")
-        digest = prompt.digest(row)
-        found = self._by_row.get(row, {}).get((digest, fingerprint))
-        if found is not None and found.live and (found.has_logits or not has_logits):
+        found, plan = self._plan_keep(prompt, row, fingerprint, has_logits)
+        if plan.copy in (Copy.NOTHING, Copy.LOGITS):
+            assert found is not None
+            found.has_logits |= plan.copy is Copy.LOGITS
             found.last_used_s = now_s
             found.value_s = max(found.value_s, value_s)
             self._rank(found)
-            return KeepResult(found, (), "already_kept")
-        if found is not None and found.live:
-            found.has_logits = True
-            found.last_used_s = now_s
-            found.value_s = max(found.value_s, value_s)
-            self._rank(found)
-            return KeepResult(found, (), "logits_added")
-        parent = found.parent if found is not None else self._parent_for(prompt, row, fingerprint)
-        own_rows = 0 if found is not None else row - (parent.row if parent else 0)
+            return KeepResult(found, (), "already_kept" if plan.copy is Copy.NOTHING else "logits_added")
+        parent = found.parent if found is not None else plan.base
+        own_rows = 0 if found is not None else plan.row - plan.kv_from
         need = self._fixed + own_rows * self._row_bytes
         # A virtual child keeps the parent (or the ghost being revived) from being freed
         # while room is made: it may lose its fixed part, never the rows this state shares.
@@ -300,7 +300,7 @@ class Store:
             entry = found
         else:
             entry = Entry(
-                self._next_id, row, digest, fingerprint, has_logits, prompt, parent,
+                self._next_id, row, prompt.digest(row), fingerprint, has_logits, prompt, parent,
                 own_rows, value_s, now_s,
             )
             self._next_id += 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 
 import numpy as np
 import structlog
@@ -97,8 +98,36 @@ class CacheMemory:
         from executor.numba_cuda.device import POOL
 
         self._device_pool = POOL
+        ref = weakref.ref(self)  # the device pool's hook must not keep this pool alive
+
+        def trim() -> None:
+            memory = ref()
+            if memory is not None:
+                memory.trim()
+
+        self._oom_hook = trim
         if POOL is not None:
-            POOL.on_oom.append(self.trim)
+            POOL.on_oom.append(trim)
+
+    def close(self) -> None:
+        """Destroy the pool: its reserved memory goes back to the device (the driver waits
+        for queued frees). Called when the last reference goes (the backend that set it as
+        `StatePool.memory`), so a process that builds several backends (bench/profile.py's
+        presets) does not keep each one's reserve."""
+        if self.handle is None:
+            return
+        if self._device_pool is not None and self._oom_hook in self._device_pool.on_oom:
+            self._device_pool.on_oom.remove(self._oom_hook)
+        cuda.current_context()
+        self._drain()
+        _checked(_driver.cuMemPoolDestroy(self.handle))
+        self.handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the memory goes with the process
+            pass
 
     @classmethod
     def create(cls) -> "CacheMemory | None":
