@@ -25,7 +25,6 @@ Twin: ops.gated_delta_rule_chunked. Not available under the CUDA simulator: `una
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 from pathlib import Path
@@ -36,7 +35,7 @@ from numba import cuda
 
 from executor.numba_cuda.delta_chunked import SUBCHUNK_ROWS, _subchunk_offset, check_chunk_args
 from executor.numba_cuda.device import IS_SIMULATOR, check, chunk_meta, device_pointer, empty
-from executor.numba_cuda.launch import fast
+from executor.numba_cuda.launch import allow_dynamic_shared, fast
 
 SOURCE = Path(__file__).with_name("delta_mma.cu")
 """The CUDA C++ source of the device functions."""
@@ -68,7 +67,6 @@ PREPARE_THREADS = 256
 SMS = 132
 """Multiprocessors of the H200, the default of `walk_shape` (`multiprocessors()` reads the
 device's own count for the launches)."""
-_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def _prepare_floats(kd: int, vd: int) -> int:
@@ -118,27 +116,6 @@ def unavailable(key_dim: int, value_dim: int) -> str | None:
     return None
 
 
-def _set_dynamic_shared(dispatcher, nbytes: int) -> None:
-    """Allow `nbytes` of dynamic shared memory (past the default 48 KB) for the dispatcher's
-    one compiled kernel on the current device. numba-cuda 0.30 loads modules as libraries, so
-    the handle its launches use is a CUkernel (cuKernelSetAttribute); an older one hands out a
-    CUfunction (cuFuncSetAttribute). Raises RuntimeError on a driver error."""
-    (kernel,) = dispatcher.overloads.values()
-    function = kernel._codelibrary.get_cufunc()
-    handle = ctypes.c_void_p(int(getattr(function.handle, "value", function.handle)))
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    result = lib.cuFuncSetAttribute(handle, _MAX_DYNAMIC_SHARED, int(nbytes))
-    if result:
-        device = ctypes.c_int()
-        lib.cuCtxGetDevice(ctypes.byref(device))
-        lib.cuKernelSetAttribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        result = lib.cuKernelSetAttribute(_MAX_DYNAMIC_SHARED, int(nbytes), handle, device.value)
-    if result:
-        raise RuntimeError(f"cuFuncSetAttribute / cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) "
-                           f"failed: CUresult {result}")
-
-
 def _source(line: str, name: str):
     return cuda.CUSource(SOURCE.read_text() + "\n" + line + "\n", name=name)
 
@@ -163,7 +140,7 @@ def prepare_kernel(kd: int, vd: int, split: int):
         fn(q, k, mixed, g, beta, w, u, m, dv, rows, off, key_heads, value_heads, channels, v0, per_block)
 
     nbytes = 4 * _prepare_floats(kd, vd)
-    _set_dynamic_shared(delta_prepare, nbytes)
+    allow_dynamic_shared(delta_prepare, nbytes)
     return fast(delta_prepare), nbytes
 
 
@@ -184,7 +161,7 @@ def walk_kernel(kd: int, bv: int, warps: int, split: int):
         fn(q, k, w, u, m, dv, state, out, rows, off, key_heads, value_heads, value_dim)
 
     nbytes = 4 * _walk_floats(kd, bv)
-    _set_dynamic_shared(delta_walk, nbytes)
+    allow_dynamic_shared(delta_walk, nbytes)
     return fast(delta_walk), nbytes
 
 

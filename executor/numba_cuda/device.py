@@ -560,6 +560,17 @@ def check(name: str, array, dtype, ndim: int, inner_contiguous: bool = True) -> 
         raise ValueError(f"{name} must be contiguous in its last dim, strides {array.strides}")
 
 
+def check_product(x, w, w_name: str = "w") -> tuple[int, int, int]:
+    """(M, N, K) of a product x @ w.T of bf16 (uint16) device arrays x [M, K] and w [N, K];
+    raises ValueError naming the argument when a dtype, rank or layout is off or the K differ."""
+    check("x", x, np.uint16, 2)
+    check(w_name, w, np.uint16, 2)
+    m, k = x.shape
+    if w.shape[1] != k:
+        raise ValueError(f"{w_name} has {w.shape[1]} columns, x has {k}")
+    return m, w.shape[0], k
+
+
 if IS_SIMULATOR:
 
     def bf16_to_f32(bits):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from executor.numba_cuda.device import IS_SIMULATOR, check, device_pointer, empty, to_device
+from executor.numba_cuda.device import IS_SIMULATOR, check_product, device_pointer, empty, to_device
 from executor.safetensors_file import bf16_to_f32
 
 if not IS_SIMULATOR:
@@ -47,6 +47,9 @@ BUCKETS = ((1, 16), (17, 64), (65, 256), (257, 1024))
 runs the reference algorithm."""
 BUCKET_CANDIDATES = 8
 TIMING_REPEATS = 5
+TIMING_SPIN_MS = 1.0
+"""Device milliseconds of spin ahead of a bucket timing: longer than the host takes to queue
+TIMING_REPEATS products."""
 
 
 def _ptr(array) -> int:
@@ -176,11 +179,13 @@ class Gemm:
         raise RuntimeError(f"no row-invariant cuBLASLt algorithm for N={n}, K={k}: {tried}")
 
     def _seconds(self, algo: np.ndarray, x, w, out) -> float:
-        """Device seconds of one product: the mean of TIMING_REPEATS back-to-back runs after a warm-up."""
-        from executor.numba_cuda.device import elapsed_seconds, new_event
+        """Device seconds of one product: the mean of TIMING_REPEATS back-to-back runs after a
+        warm-up, queued behind a short spin so the host's launch cost is not timed."""
+        from executor.numba_cuda.device import elapsed_seconds, new_event, spin
 
         self._run(algo, x, w, out)
         start, stop = new_event(), new_event()
+        spin(TIMING_SPIN_MS)
         start.record()
         for _ in range(TIMING_REPEATS):
             self._run(algo, x, w, out)
@@ -237,12 +242,7 @@ class Gemm:
 
         x: uint16 (bf16) device [M, K]; w: uint16 (bf16) [N, K]; returns f32 [M, N].
         """
-        check("x", x, np.uint16, 2)
-        check("w", w, np.uint16, 2)
-        m, k = x.shape
-        n = w.shape[0]
-        if w.shape[1] != k:
-            raise ValueError(f"w has {w.shape[1]} columns, x has {k}")
+        m, n, k = check_product(x, w)
         out = empty((m, n), np.float32, stream) if out is None else out
         if m and IS_SIMULATOR:  # the CUDA simulator has no cuBLAS: NumPy on the host copies
             xs, ws = bf16_to_f32(x.copy_to_host()), bf16_to_f32(w.copy_to_host())

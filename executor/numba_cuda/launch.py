@@ -355,3 +355,28 @@ def fast(dispatcher):
     kernel = FastKernel(dispatcher)
     KERNELS.append(kernel)
     return kernel
+
+
+MAX_DYNAMIC_SHARED_ATTRIBUTE = 8
+"""CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (also the CUkernel attribute's number)."""
+
+
+def allow_dynamic_shared(dispatcher, nbytes: int) -> None:
+    """Allow `nbytes` of dynamic shared memory (past the default 48 KB) for the dispatcher's
+    one compiled kernel on the current device. numba-cuda 0.30 loads modules as libraries, so
+    the handle its launches use is a CUkernel (cuKernelSetAttribute); an older one hands out a
+    CUfunction (cuFuncSetAttribute). Raises RuntimeError on a driver error."""
+    (kernel,) = dispatcher.overloads.values()
+    function = kernel._codelibrary.get_cufunc()
+    handle = ctypes.c_void_p(int(getattr(function.handle, "value", function.handle)))
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    result = lib.cuFuncSetAttribute(handle, MAX_DYNAMIC_SHARED_ATTRIBUTE, int(nbytes))
+    if result:
+        device = ctypes.c_int()
+        lib.cuCtxGetDevice(ctypes.byref(device))
+        lib.cuKernelSetAttribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        result = lib.cuKernelSetAttribute(MAX_DYNAMIC_SHARED_ATTRIBUTE, int(nbytes), handle, device.value)
+    if result:
+        raise RuntimeError(f"cuFuncSetAttribute / cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) "
+                           f"failed: CUresult {result}")

@@ -1,13 +1,20 @@
-"""Helpers for the kernel cases: random inputs, bf16 round trips, unwritten-output checks.
+"""Helpers for the kernel cases: random inputs, bf16 round trips, unwritten-output checks, and
+the build of the host emulator's kernel runners (`build_emulated`).
 
 Imported by the `cases_*.py` files, which run under the CUDA simulator in a subprocess
 (test_kernels_simulated.py) or directly on a GPU, and by the GPU and emulator tests of the
-tensor-core delta rule; nothing here imports numba.
+tensor-core delta rule and the streaming GEMM; nothing here imports numba.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from executor.reference import ops
 from executor.safetensors_file import bf16_to_f32, f32_to_bf16
@@ -63,3 +70,24 @@ def assert_grid_invariant(run, to_device, state0: np.ndarray, start_row: int, ro
         states = to_device(state0)
         np.testing.assert_array_equal(run(states, start_row, cuts), whole, err_msg=str(cuts))
         np.testing.assert_array_equal(states.copy_to_host(), final, err_msg=str(cuts))
+
+
+EMULATOR = Path(__file__).parent / "emulator"
+"""The host emulator of CUDA C++ (cuda_host.h, cuda_host.cpp) and its kernel runners."""
+
+
+def build_emulated(out_dir: Path, code: str, name: str, opt: str = "-O2") -> Path:
+    """Compile the runner emulator/{name}_host.cpp with `code` (a kernel source's device code as
+    host C++, written to {name}_kernels.inc) and the emulator, into out_dir/{name}_host; skips
+    the test when no C++ compiler is found, fails it with the compiler's errors."""
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler for the host emulator")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}_kernels.inc").write_text(code)
+    exe = out_dir / f"{name}_host"
+    cmd = [compiler, opt, "-std=c++17", "-ffp-contract=off", f"-I{EMULATOR}", f"-I{out_dir}", "-o", str(exe),
+           str(EMULATOR / f"{name}_host.cpp"), str(EMULATOR / "cuda_host.cpp")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"host build failed:\n{done.stderr[-4000:]}"
+    return exe

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from executor.reference import ops
-from tests.executor.numba_cuda.kernel_support import delta_inputs
+from tests.executor.numba_cuda.kernel_support import build_emulated, delta_inputs
 
 HERE = Path(__file__).parent / "emulator"
 SOURCE = Path(__file__).parents[3] / "executor" / "numba_cuda" / "delta_mma.cu"
@@ -58,17 +56,7 @@ def device_code(source: str, drop_barrier: bool = False) -> str:
 
 
 def _build(out_dir: Path, code: str) -> Path:
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler for the host emulator")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "delta_mma_kernels.inc").write_text(code)
-    exe = out_dir / "delta_mma_host"
-    cmd = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{HERE}", f"-I{out_dir}", "-o", str(exe),
-           str(HERE / "delta_mma_host.cpp"), str(HERE / "cuda_host.cpp")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"host build failed:\n{done.stderr[-4000:]}"
-    return exe
+    return build_emulated(out_dir, code, "delta_mma", "-O2")
 
 
 @pytest.fixture(scope="module")
