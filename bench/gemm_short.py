@@ -1,15 +1,16 @@
-"""Short-chunk GEMMs at real Qwen3.5 shapes: the pinned cuBLASLt bucket algorithm against the
-streaming GEMM of our own (executor.numba_cuda.gemm_stream), bits and device time.
+"""Short-chunk GEMMs at real Qwen3.5 shapes, bits and device time: cuBLASLt against our own.
 
-For every (N, K) the backend multiplies by (the LM head aside: prefill reads it through the
-GEMV): the rows of each streaming variant at M = 1..64 (CHECK_ROWS) are compared bit for bit
-with the same rows of the pinned reference algorithm's M = 2048 product (what chunk
-invariance would need before the backend could use a variant), then at every `--rows` M each
-is timed (device time, weights rotating over copies larger than the L2) beside the bucket
-algorithm the backend runs and the weight-bandwidth floor (weight bytes over the measured
-device-to-device copy rate, the roofline convention of bench/RESULTS.md). The last table sums
-one forward of each preset at each M (every layer's products).
-Usage (on the GPU machine): python -m bench.gemm_short [--presets ...] [--rows 16,51,64] [--out results.json]
+The pinned cuBLASLt bucket algorithm the backend runs, against the streaming GEMM of our own
+(executor.numba_cuda.gemm_stream), for every (N, K) the backend multiplies by (the LM head
+aside: prefill reads it through the GEMV). First the rows of each streaming variant at every
+row count of CHECK_ROWS and `--rows` are compared bit for bit with the same rows of the pinned
+reference algorithm's M = 2048 product (what chunk invariance would need before the backend
+could use a variant); then at every `--rows` M each is timed (device time, weights rotating over
+copies larger than the L2) beside the bucket algorithm and the weight-bandwidth floor (weight
+bytes over the measured device-to-device copy rate, the roofline convention of
+bench/RESULTS.md). The last table sums one forward of each preset at each M (every layer's
+products): cuBLASLt, the best streaming variant per shape, and the faster bit-equal of the two.
+Usage (on the GPU machine): python -m bench.gemm_short [--presets ...] [--rows 1,16,51,64] [--out results.json]
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def measure(gemm: Gemm, n: int, k: int, rows: list[int], copy: float, seed: int)
         if not variant.fits(n, k):
             continue
         differ = []
-        for m in CHECK_ROWS:
+        for m in sorted(set(CHECK_ROWS) | set(rows)):
             got = gemm_stream.matmul(x[REFERENCE_ROWS - m :], w, variant).copy_to_host()
             if not np.array_equal(got, ref[REFERENCE_ROWS - m :]):
                 differ.append(m)
@@ -73,6 +74,13 @@ def measure(gemm: Gemm, n: int, k: int, rows: list[int], copy: float, seed: int)
     return result
 
 
+def best_streaming(result: dict, m: int) -> tuple[str, float]:
+    """(label, us) of the fastest streaming variant at M, bit-equal or not ("-", inf when none fits)."""
+    entry = result[f"m{m}"]
+    times = [(entry[label], label) for label in result["variants"] if label in entry]
+    return min(times)[::-1] if times else ("-", float("inf"))
+
+
 def best_equal(result: dict, m: int) -> tuple[str, float]:
     """(label, us) of the fastest bit-equal choice at M: a streaming variant or the bucket algorithm."""
     entry = result[f"m{m}"]
@@ -83,13 +91,35 @@ def best_equal(result: dict, m: int) -> tuple[str, float]:
     return best
 
 
-def main() -> None:
+def parse_rows(text: str) -> list[int]:
+    """`--rows` as a list of row counts, each in [1, gemm_stream.MAX_ROWS]; raises
+    argparse.ArgumentTypeError naming the bad entry."""
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rows must be comma-separated integers, got {text!r}") from None
+    bad = [r for r in rows if not 1 <= r <= gemm_stream.MAX_ROWS]
+    if bad or not rows:
+        raise argparse.ArgumentTypeError(f"--rows must be in [1, {gemm_stream.MAX_ROWS}], got {bad or text!r}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="qwen3.5-27b,qwen3.5-9b,qwen3.5-2b")
-    parser.add_argument("--rows", default="16,51,64", help="row counts M to time (1 to 64)")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    rows = [int(r) for r in args.rows.split(",")]
+    parser.add_argument("--presets", default="qwen3.5-27b,qwen3.5-9b,qwen3.5-2b",
+                        help="comma-separated model presets whose shapes are measured (default: %(default)s)")
+    parser.add_argument("--rows", type=parse_rows, default=parse_rows("16,51,64"),
+                        help=f"comma-separated row counts M to time, 1 to {gemm_stream.MAX_ROWS} (default: 16,51,64)")
+    parser.add_argument("--out", default=None, help="JSON file for every measurement, rewritten after each shape")
+    args = parser.parse_args(argv)
+    for name in args.presets.split(","):
+        preset(name)  # an unknown preset fails here, before the GPU work
+    from executor.numba_cuda.device import is_gpu_available
+
+    if not is_gpu_available():
+        print("bench.gemm_short needs an NVIDIA GPU with numba-cuda and nvmath-python", flush=True)
+        return 2
+    rows = args.rows
     copy = copy_gbps()
     print(f"device: {device_name()}; device-to-device copy {copy:.0f} GB/s (read + write)", flush=True)
     gemm = Gemm()
@@ -101,30 +131,36 @@ def main() -> None:
             key = f"{name} {op}"
             results[key] = measure(gemm, n, k, rows, copy, len(results) * 100)
             print(key, json.dumps(results[key]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": device_name(), "copy_gbps": copy, "rows": rows, "results": results}, f, indent=1)
-    print("\n| shape | N x K | M | floor us | cuBLASLt bucket us | best bit-equal | us | of floor | variants bit-equal |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"device": device_name(), "copy_gbps": copy, "rows": rows, "results": results}, f,
+                              indent=1)
+    print("\n| shape | N x K | M | floor us | cuBLASLt bucket us | best streaming | us | best bit-equal | us | "
+          "variants bit-equal |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key, r in results.items():
         equal = sum(1 for c in r["variants"].values() if not c["rows_differ"])
         for m in rows:
+            stream_label, stream_us = best_streaming(r, m)
             label, us = best_equal(r, m)
-            print(f"| {key} | {r['n']} x {r['k']} | {m} | {r['floor_us']} | {r[f'm{m}']['bucket_us']} | {label} | "
-                  f"{us} | {r['floor_us'] / us:.2f} | {equal}/{len(r['variants'])} |")
-    print("\n| preset | M | GEMMs per forward | cuBLASLt bucket ms | best bit-equal ms | floor ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+            print(f"| {key} | {r['n']} x {r['k']} | {m} | {r['floor_us']} | {r[f'm{m}']['bucket_us']} | "
+                  f"{stream_label} | {stream_us} | {label} | {us} | {equal}/{len(r['variants'])} |")
+    print("\n| preset | M | GEMMs per forward | cuBLASLt bucket ms | best streaming ms | best bit-equal ms | floor ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.presets.split(","):
         counts = per_forward(name)
         for m in rows:
-            bucket = best = floor = 0.0
+            bucket = streaming = best = floor = 0.0
             for op, count in counts.items():
                 r = results[f"{name} {op}"]
                 bucket += count * r[f"m{m}"]["bucket_us"]
+                streaming += count * best_streaming(r, m)[1]
                 best += count * best_equal(r, m)[1]
                 floor += count * r["floor_us"]
-            print(f"| {name} | {m} | {sum(counts.values())} | {bucket / 1e3:.2f} | {best / 1e3:.2f} | {floor / 1e3:.2f} |")
+            print(f"| {name} | {m} | {sum(counts.values())} | {bucket / 1e3:.2f} | {streaming / 1e3:.2f} | "
+                  f"{best / 1e3:.2f} | {floor / 1e3:.2f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 // Short-chunk GEMM on the tensor cores: Y[M, N] (fp32) = X[M, K] W[N, K]^T (bf16 in, fp32
 // accumulate) for M <= 16 * MT rows, streaming each weight row once.
 //
-// Why: at M = 1..64 cuBLASLt's bit-equal algorithms stream the weights at 1.1-5.5x their
+// Why: at M = 51 cuBLASLt's bit-equal algorithms stream the weights at 1.1-5.5x their
 // bandwidth floor for Qwen3.5's narrow shapes (27B down_proj 5120 x 17408: 75-84 us against
 // 41.5 us; bench/RESULTS.md, session 11). Here a CTA owns NT = WARPS * NW output columns and
 // every row: it streams W[n0 : n0 + NT, :] through shared memory in K tiles of KT with
@@ -12,11 +12,12 @@
 // Bits: every output element is one fp32 accumulator that takes the k16 products of
 // k = 0, 16, 32, ... in ascending order, a chain that depends neither on M nor on the
 // columns, warps or tiles beside it (rows of one mma never mix). On the H200 that chain is
-// bit-equal to cuBLASLt's pinned algorithms for every Qwen3.5 shape at M = 1..64
-// (bench/gemm_short.py); the backend does not use this kernel (slower: gemm_stream.py).
+// bit-equal to cuBLASLt's pinned algorithms for the 2B and 27B shapes (the 9B ones with the
+// first version) at 9 row counts from 1 to 64 (bench/gemm_short.py); the backend does not use
+// this kernel (slower: gemm_stream.py).
 //
-// Shapes (row-major, C-contiguous, 16-byte aligned): x bf16 bits [m, k], w bf16 bits [n, k],
-// y f32 [m, n]; k a multiple of KT, n a multiple of 8 (the n-tile), 1 <= m <= 16 * MT. Rows of
+// Shapes (row-major, C-contiguous): x bf16 bits [m, k] and w bf16 bits [n, k], 16-byte
+// aligned; y f32 [m, n], 8-byte aligned; k a multiple of KT, n a multiple of 8 (the n-tile), 1 <= m <= 16 * MT. Rows of
 // the last m-tile past m and columns past n are zero-filled in shared memory (never read from
 // global memory, never stored). Dynamic shared memory: STAGES * (16 * MT + NT) * (KT + 8) bf16.
 

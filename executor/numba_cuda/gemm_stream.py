@@ -5,13 +5,15 @@ x by them with mma.sync; linked through numba-cuda's `link=`, inlined by link-ti
 optimisation).
 
 Status: an experiment the backend does not use. On the H200 (bench/gemm_short.py,
-bench/RESULTS.md session 13) every variant's rows equal the pinned cuBLASLt algorithm's bit
-for bit at M = 1..64 for every 2B, 9B and 27B shape: one fp32 accumulator per output over the
-k16 products in ascending k is what cuBLASLt's kernels without split-K compute, so a kernel of
-ours may replace cuBLASLt (or fuse an epilogue into a product) without moving a bit. But it is
-not faster yet: the best variant per shape makes a 27B forward's products 1.11x cuBLASLt's
-bucket algorithms at 1 row, 1.22x at 16 and 1.85x at 51 (faster only for kv_proj and down_proj
-at 1-16 rows), so `gemm.Gemm` does not offer them; bench/gemm_short.py measures them.
+bench/RESULTS.md session 13) every variant's rows equal the pinned cuBLASLt algorithm's rows of
+an M = 2048 product bit for bit at 9 row counts from 1 to 64 (1, 2, 15, 16, 17, 33, 51, 63, 64),
+for the 2B and 27B shapes (the 9B shapes with the first version of the kernel): one fp32
+accumulator per output over the k16 products in ascending k is what cuBLASLt's kernels without
+split-K compute, so a kernel of ours may replace cuBLASLt (or fuse an epilogue into a product)
+without moving a bit. But it is not faster yet: the best variant per shape makes a 27B
+forward's products 1.11x cuBLASLt's bucket algorithms at 1 row, 1.22x at 16 and 1.85x at 51
+(faster only for kv_proj at 1-16 rows and down_proj at 1 row), so `gemm.Gemm` does not offer
+them; bench/gemm_short.py measures them.
 
 Why it was tried (bench/RESULTS.md, session 11): cuBLASLt's best bit-equal algorithms run the
 27B shapes at M = 51 at 1.1-5.5x the weight-bandwidth floor (down_proj 75 us against 41.5);
@@ -41,17 +43,27 @@ MAX_SHARED_BYTES = 227 * 1024
 """The most dynamic shared memory a CTA may ask for on sm_90 (232,448 bytes)."""
 
 
+def _check_variant(instance, attribute, value) -> None:
+    """attrs validator: the source's template constraints (else it would compute wrong columns,
+    skip part of K, or fail at launch)."""
+    limits = {"warps": (1, 32, 1), "columns_per_warp": (8, 256, 8), "k_tile": (32, 256, 32), "stages": (2, 8, 1)}
+    lo, hi, step = limits[attribute.name]
+    if not isinstance(value, int) or not lo <= value <= hi or value % step:
+        raise ValueError(f"Variant.{attribute.name} must be a multiple of {step} in [{lo}, {hi}], got {value!r}")
+
+
 @attrs.frozen
 class Variant:
-    """One compiled shape of the kernel: `warps` warps a CTA, `columns_per_warp` output
+    """One compiled shape of the kernel: `warps` warps a CTA (1-32), `columns_per_warp` output
     columns a warp (a multiple of 8: mma n-tiles), K tiles of `k_tile` columns (a multiple of
-    32), `stages` tiles in the cp.async pipeline. A CTA owns warps * columns_per_warp columns
-    and every row. No field changes a bit (each output is one accumulator over ascending k)."""
+    32), `stages` tiles in the cp.async pipeline (at least 2). A CTA owns warps *
+    columns_per_warp columns and every row. No field changes a bit (each output is one
+    accumulator over ascending k). Raises ValueError naming a field outside those limits."""
 
-    warps: int
-    columns_per_warp: int
-    k_tile: int = 32
-    stages: int = 4
+    warps: int = attrs.field(validator=_check_variant)
+    columns_per_warp: int = attrs.field(validator=_check_variant)
+    k_tile: int = attrs.field(default=32, validator=_check_variant)
+    stages: int = attrs.field(default=4, validator=_check_variant)
 
     @property
     def columns(self) -> int:
@@ -63,10 +75,21 @@ class Variant:
         w (`columns` rows), each row padded by 8 elements (conflict-free ldmatrix)."""
         return 2 * self.stages * (m_tiles * 16 + self.columns) * (self.k_tile + 8)
 
+    def unfit(self, n: int, k: int) -> str | None:
+        """Why the variant does not take an [*, K] x [N, K]^T product (None when it does): N
+        must be a positive multiple of 8, K a positive multiple of the K tile, and the shared
+        memory at four m-tiles at most MAX_SHARED_BYTES (sm_90's limit)."""
+        if n < 8 or n % 8:
+            return f"N must be a positive multiple of 8, got {n}"
+        if k < self.k_tile or k % self.k_tile:
+            return f"K must be a positive multiple of the K tile {self.k_tile}, got {k}"
+        if self.shared_bytes(MAX_ROWS // 16) > MAX_SHARED_BYTES:
+            return f"{self.shared_bytes(MAX_ROWS // 16)} bytes of shared memory exceed {MAX_SHARED_BYTES}"
+        return None
+
     def fits(self, n: int, k: int) -> bool:
-        """Whether the variant takes an [*, K] x [N, K]^T product: K a multiple of the K
-        tile, N of 8, and at most MAX_SHARED_BYTES of shared memory at four m-tiles."""
-        return k % self.k_tile == 0 and n % 8 == 0 and self.shared_bytes(MAX_ROWS // 16) <= MAX_SHARED_BYTES
+        """Whether the variant takes an [*, K] x [N, K]^T product (`unfit` says why not)."""
+        return self.unfit(n, k) is None
 
     def label(self) -> str:
         """`stream WARPSxCOLUMNS kK_TILE sSTAGES`, as the benchmark tables print it."""
@@ -83,8 +106,9 @@ VARIANTS = (
     Variant(8, 32, 64, 3),
 )
 """The shapes bench/gemm_short.py checks and times: 32 to 256 columns a CTA, K tiles of 64 to
-256 bytes a weight row, 3 or 4 stages (session 13's first five, K tiles of 32 with at most
-48 KB, streamed at 0.2-0.6 of the weight floor)."""
+256 bytes of each weight row, 3 or 4 stages. (The kernel's first version, K tiles of 32 in 48 KB
+of static shared memory with rows past M loaded as copies of the last row, ran at 2-5x
+cuBLASLt's time: RESULTS.md, session 13.)"""
 
 
 def unavailable() -> str | None:
@@ -120,17 +144,19 @@ def kernel(variant: Variant, m_tiles: int):
 def matmul(x, w, variant: Variant, out=None, stream=0):
     """out = x @ w.T (fp32) with `variant`.
 
-    x: uint16 (bf16) device [M, K] with 1 <= M <= MAX_ROWS; w: uint16 [N, K]; both
-    C-contiguous and 16-byte aligned; out: None or f32 [M, N], C-contiguous, 8-byte aligned.
-    Returns out. Raises ValueError naming the argument on a wrong dtype, shape, layout or
-    alignment, or a shape the variant does not take (`Variant.fits`); RuntimeError where the
-    kernel cannot run (`unavailable`).
+    x: uint16 (bf16) numba device array [M, K] with 1 <= M <= MAX_ROWS; w: uint16 [N, K]; both
+    C-contiguous and 16-byte aligned; out: None or f32 [M, N], C-contiguous, 8-byte aligned,
+    overlapping neither x nor w (CTAs store while others still read); stream: a numba stream
+    or 0 (the default stream). Returns out. Raises ValueError naming the argument on a wrong
+    dtype, shape, layout or alignment, or an N or K the variant does not take
+    (`Variant.unfit`); RuntimeError where the kernel cannot run (`unavailable`).
     """
     m, n, k = check_product(x, w)
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"x has {m} rows; the streaming GEMM takes 1 to {MAX_ROWS}")
-    if not variant.fits(n, k):
-        raise ValueError(f"{variant.label()} does not take N={n}, K={k}")
+    why = variant.unfit(n, k)
+    if why is not None:
+        raise ValueError(f"w [{n}, {k}] does not fit {variant.label()}: {why}")
     if out is not None:
         check("out", out, np.float32, 2)
         if tuple(out.shape) != (m, n):

@@ -363,10 +363,15 @@ MAX_DYNAMIC_SHARED_ATTRIBUTE = 8
 
 def allow_dynamic_shared(dispatcher, nbytes: int) -> None:
     """Allow `nbytes` of dynamic shared memory (past the default 48 KB) for the dispatcher's
-    one compiled kernel on the current device. numba-cuda 0.30 loads modules as libraries, so
-    the handle its launches use is a CUkernel (cuKernelSetAttribute); an older one hands out a
-    CUfunction (cuFuncSetAttribute). Raises RuntimeError on a driver error."""
-    (kernel,) = dispatcher.overloads.values()
+    one compiled kernel (an eagerly compiled `cuda.jit` with one signature) on the current
+    device only. numba-cuda 0.30 loads modules as libraries, so the handle its launches use is
+    a CUkernel (cuKernelSetAttribute); an older one hands out a CUfunction (cuFuncSetAttribute).
+    Raises ValueError when the dispatcher has no or several compiled overloads, RuntimeError on
+    a driver error (e.g. more than the device's shared memory)."""
+    overloads = list(dispatcher.overloads.values())
+    if len(overloads) != 1:
+        raise ValueError(f"allow_dynamic_shared needs one compiled overload, the dispatcher has {len(overloads)}")
+    (kernel,) = overloads
     function = kernel._codelibrary.get_cufunc()
     handle = ctypes.c_void_p(int(getattr(function.handle, "value", function.handle)))
     lib = ctypes.CDLL("libcuda.so.1")

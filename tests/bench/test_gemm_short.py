@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from bench.gemm_short import best_equal, per_forward
+import argparse
+
+import pytest
+
+from bench.gemm_short import best_equal, best_streaming, parse_rows, per_forward
 
 
 def test_per_forward_counts_every_layer_s_products():
@@ -20,3 +24,17 @@ def test_best_equal_takes_the_fastest_bit_equal_choice_only():
     assert best_equal(result, 51) == ("c", 38.0)
     result["m51"]["c"] = 41.0
     assert best_equal(result, 51) == ("cuBLASLt bucket", 40.0)
+
+
+def test_best_streaming_ignores_bits_and_the_bucket():
+    result = {"variants": {"a": {"rows_differ": []}, "b": {"rows_differ": [51]}},
+              "m51": {"bucket_us": 5.0, "a": 35.0, "b": 10.0}}
+    assert best_streaming(result, 51) == ("b", 10.0)
+    assert best_streaming({"variants": {}, "m1": {"bucket_us": 5.0}}, 1) == ("-", float("inf"))
+
+
+def test_rows_must_be_1_to_64():
+    assert parse_rows("1,16,64") == [1, 16, 64]
+    for bad in ("0,16", "65", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--rows"):
+            parse_rows(bad)

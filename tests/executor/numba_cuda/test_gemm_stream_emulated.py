@@ -98,7 +98,9 @@ def test_emulated_values_and_row_invariance(host, tmp_path, variant, m):
 
 def test_emulated_bits_for_every_cta_shape_and_schedule(host, tmp_path):
     """One product through every variant and thread schedule (in order, reversed, shuffled, one
-    warp running ahead to its next barrier, copies landing at issue): the same bits."""
+    warp running ahead to its next barrier, copies landing at issue): the same bits. The
+    emulator's switches keep the names they got for the delta rule's runner:
+    DELTA_HOST_ORDER=0..4 (schedule) and DELTA_HOST_EAGER=1 (copies land at issue)."""
     rng = np.random.default_rng(7)
     x, w = _bf16(rng, (51, 384)), _bf16(rng, (136, 384))
     want = _run(host, tmp_path, x, w, VARIANTS[0])
@@ -133,3 +135,19 @@ def test_host_runner_instantiates_every_variant():
     listed = {tuple(int(v) for v in line.split("(")[1].split(")")[0].split(","))
               for line in text.splitlines() if line.strip().startswith("CASE(") and "define" not in line}
     assert listed == {(v.warps, v.columns_per_warp, v.k_tile, v.stages) for v in VARIANTS}
+
+
+def test_variant_fields_and_shapes_outside_the_source_s_limits_are_refused():
+    """A hand-made Variant the source cannot run (a partial n-tile, a K tile that drops columns,
+    no warps, one stage) fails at construction, naming the field; shapes it cannot take say why."""
+    for kwargs, field in ((dict(warps=4, columns_per_warp=12), "columns_per_warp"),
+                          (dict(warps=4, columns_per_warp=16, k_tile=48), "k_tile"),
+                          (dict(warps=0, columns_per_warp=16), "warps"),
+                          (dict(warps=4, columns_per_warp=16, stages=1), "stages")):
+        with pytest.raises(ValueError, match=f"Variant.{field}"):
+            Variant(**kwargs)
+    v = Variant(4, 16, 128, 3)
+    assert v.unfit(64, 256) is None and v.fits(64, 256)
+    assert "N must be" in v.unfit(0, 256) and "N must be" in v.unfit(12, 256)
+    assert "K must be" in v.unfit(64, 0) and "K must be" in v.unfit(64, 192)
+    assert "shared memory" in Variant(32, 256, 256, 8).unfit(64, 256)

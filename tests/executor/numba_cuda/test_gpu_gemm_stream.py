@@ -1,6 +1,7 @@
 """The streaming GEMM (gemm_stream.py, gemm_stream.cu) on a real GPU: values against float64 on
 the bf16 inputs, outputs poisoned before the launch (none left unwritten), and every variant's
-rows bit-equal to the pinned cuBLASLt algorithm's rows of an M = 2048 product at 1 to 64 rows
+rows bit-equal to the pinned cuBLASLt algorithm's rows of an M = 2048 product at 1, 16, 17, 51
+and 64 rows
 (the finding of bench/gemm_short.py, session 13: a kernel of ours can stand in for cuBLASLt
 without moving a bit). Marked `cuda`: the CUDA simulator cannot run linked CUDA C++, so these
 skip without a GPU (test_gemm_stream_emulated.py runs the source on a host emulator in CI).
@@ -61,6 +62,6 @@ def test_bad_arguments_name_the_field():
     x, w = to_device(np.zeros((65, 64), np.uint16)), to_device(np.zeros((8, 64), np.uint16))
     with pytest.raises(ValueError, match="rows"):
         gemm_stream.matmul(x, w, gemm_stream.VARIANTS[0])
-    with pytest.raises(ValueError, match="does not take"):  # K = 48: not a multiple of the K tile
+    with pytest.raises(ValueError, match="K must be a positive multiple"):  # K = 48: not a multiple of the K tile
         gemm_stream.matmul(to_device(np.zeros((4, 48), np.uint16)), to_device(np.zeros((8, 48), np.uint16)),
                            gemm_stream.VARIANTS[0])
