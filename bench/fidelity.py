@@ -68,7 +68,7 @@ from executor.tokenizer import default_tokenizer, load_tokenizer
 from policy.config import format_policy, parse_policy, policy_from_dict
 from policy.prefix import Prompt
 from policy.usable import BackendFacts
-from sim.api import simulate
+from sim.api import machine, simulate
 from sim.cost import Profile, load_profile
 from sim.workload import Conversation, Turn, Workload
 
@@ -185,8 +185,9 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
     comparison = compare(trace_facts(server_events, rid.get), trace_facts(sim_events, sim_key))
     gaps = [(arr - fin - think) for arr, fin, think in _gaps(records, server_events)]
     lines = report_lines(comparison)
-    lines.insert(0, f"server {meta['backend']} {meta['model']} commit {meta['commit']}; profile {profile.name} "
-                    f"({profile.source}, {profile.gpu}); invariant_rows {facts.invariant_rows}; arrivals {arrivals}")
+    lines[:0] = [f"server {meta['backend']} {meta['model']} commit {meta['commit']}; profile {profile.name} "
+                 f"({profile.source}, {profile.gpu}); invariant_rows {facts.invariant_rows}; arrivals {arrivals}",
+                 *machine_lines(run.get("machine"), dict(profile.provenance).get("machine"))]
     if gaps:
         gaps.sort()
         lines.append(f"client + HTTP overhead per closed-loop turn (server gap - planned think): median "
@@ -206,6 +207,18 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
     for line in lines:
         log(line)
     return code, report
+
+
+def machine_lines(server: str | None, profile: str | None) -> list[str]:
+    """Where the server ran and where the profile was measured (`sim.api.machine`), and a note
+    when they differ: two H200 hosts ran the same 2B server ~15% apart, and a profile from the
+    other host put the simulator's TTFT 15.6-15.8% off where a same-host one gave 9.3-10.0%
+    (bench/RESULTS.md, session 13)."""
+    lines = [f"server machine: {server or 'not recorded'}; profile machine: {profile or 'not recorded'}"]
+    if server and profile and server != profile:
+        lines.append("note: the profile was measured on another machine; host speed alone moved TTFT ~15% "
+                     "between two H200 hosts (bench/RESULTS.md, session 13)")
+    return lines
 
 
 def _gaps(records: list[dict[str, Any]], events: list[dict[str, Any]]):
@@ -234,7 +247,8 @@ def run_server(out: Path, plan: Plan, server_args: list[str], thinking: bool, ti
         code = server.stop()
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "run.json").write_text(json.dumps({"server_command": server.command, "server_exit": code,
-                                              "thinking": thinking, "wall_s": time.monotonic() - t0}) + "\n")
+                                              "thinking": thinking, "wall_s": time.monotonic() - t0,
+                                              "machine": machine()}) + "\n")
     log(f"{len(records)} requests in {time.monotonic() - t0:.1f} s; server exit {code}")
 
 

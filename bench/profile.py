@@ -64,7 +64,7 @@ from executor.stops import TextStream
 from executor.tokenizer import default_tokenizer
 from policy.plan import Chunk
 from policy.tail import TailFacts, tail_from
-from sim.api import git_commit
+from sim.api import git_commit, machine
 from sim.cost import Curve, Profile, TableCost, profile_to_dict
 from sim.cost import Grid as CostGrid
 
@@ -313,7 +313,7 @@ def to_profile(m: Measured, rig: Rig, name: str, command: str) -> Profile:
              f"({g.decode_rounds} rounds for decode), tables made non-decreasing"
              + ("" if m.host is None else "; host: the serving loop's own seconds per step, decode lane and "
                                          "prefill chunk on a backend that costs nothing (bench/host_cost.py)"))
-    provenance = (("backend", rig.label), ("command", command), ("commit", git_commit()),
+    provenance = (("backend", rig.label), ("command", command), ("commit", git_commit()), ("machine", machine()),
                   ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
                   ("decode", rig.decode_mode), ("wall_s", f"{m.wall_s:.1f}"))
     if m.host is not None:

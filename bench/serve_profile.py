@@ -72,7 +72,7 @@ from bench.fidelity_report import BUSY_GAP_S
 from bench.profile import monotone
 from executor.server_process import start_server, stop_server
 from policy.config import format_policy, policy_from_dict
-from sim.api import git_commit
+from sim.api import git_commit, machine
 from policy.shape import state_bytes
 from sim.cost import Grid, HostCost, Profile, TableCost, load_profile, profile_to_dict
 
@@ -333,7 +333,8 @@ def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, comman
              f"lanes and chunks; keep, restore, copy rate: from {base.name}")
     provenance = (("backend", "server"), ("command", command), ("server_args", " ".join(server_args)),
                   ("commit", git_commit()), ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
-                  ("base", base.name), ("served_model", served_model), ("steps", str(served.steps)))
+                  ("base", base.name), ("served_model", served_model), ("steps", str(served.steps)),
+                  ("machine", machine()))
     return Profile(name=name, source="measured", gpu=base.gpu, model=base.model, shape=base.shape,
                    invariant_rows=base.invariant_rows, cost=cost, notes=notes, provenance=provenance)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import random
 import subprocess
 import tomllib
@@ -117,6 +119,21 @@ def simulate(
         pf.write(perfetto)
     return RunReport(summary.metrics(result.store_bytes_peak), result,
                      dict(summary.ttft_by_request), dict(summary.cached_by_request), summary.events)
+
+
+def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This machine as a profile's provenance names it: "HOSTNAME (CPU MODEL, N CPUs)", the CPU
+    model read from `cpuinfo` ("unknown CPU" where it cannot be read). Why: two H200 hosts ran the
+    same 2B server ~15% apart (bench/RESULTS.md, session 13), so a measured profile says where."""
+    model = "unknown CPU"
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node() or 'unknown host'} ({model}, {os.cpu_count()} CPUs)"
 
 
 def git_commit() -> str:

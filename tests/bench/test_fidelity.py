@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import attrs
 
 import pytest
 
-from bench.fidelity import Rendered, main, sim_workload
+from bench.fidelity import Rendered, machine_lines, main, sim_workload
 from bench.fidelity_plan import PLANS, make_plan
 from bench.fidelity_report import (
     ACTIVE_BUCKETS,
@@ -25,6 +26,7 @@ from bench.fidelity_report import (
     trace_facts,
 )
 from executor.model import tiny_config
+from sim.api import machine
 from sim.cost import Grid, HostCost, Profile, TableCost, profile_to_dict
 
 
@@ -263,6 +265,8 @@ def test_fidelity_against_the_tiny_server(tmp_path, capsys):
     steps = [json.loads(line) for line in (out / "server_trace.jsonl.steps.jsonl").read_text().splitlines()]
     assert steps and all(e["ran_s"] > 0 and "forward" in e["phases"] for e in steps if e["prefill_rows"])
     assert "server steps against the profile" in text and "prefill-only steps" in text
+    here = json.loads((out / "run.json").read_text())["machine"]
+    assert here == machine() and f"server machine: {here}; profile machine: not recorded" in text
 
     # replay: the same comparison without a server; then a planted policy change in the recorded
     # meta (the simulator takes the server's policy from it): without request starts nothing under
@@ -276,3 +280,18 @@ def test_fidelity_against_the_tiny_server(tmp_path, capsys):
     assert main(["--replay", "--profile", profile, "--out", str(out)]) == 1
     planted = json.loads((out / "report.json").read_text())
     assert planted["cached_equal"] < n and "CACHED DIFFERS" in (out / "report.txt").read_text()
+
+
+def test_machine_lines_note_a_profile_from_another_machine():
+    assert machine_lines("a (x, 16 CPUs)", "a (x, 16 CPUs)") == [
+        "server machine: a (x, 16 CPUs); profile machine: a (x, 16 CPUs)"]
+    other = machine_lines("a (x, 16 CPUs)", "b (y, 16 CPUs)")
+    assert len(other) == 2 and other[1].startswith("note: the profile was measured on another machine")
+    assert machine_lines(None, "b") == ["server machine: not recorded; profile machine: b"]
+
+
+def test_machine_names_host_cpu_model_and_count(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t: x\n")
+    assert machine(info).endswith(f"(Test CPU 9000, {os.cpu_count()} CPUs)")
+    assert "(unknown CPU," in machine(tmp_path / "missing")

@@ -19,6 +19,7 @@ from bench.serve_profile import (
     to_profile,
 )
 from executor.model import tiny_config
+from sim.api import machine
 from sim.cost import Curve, Grid, HostCost, Profile, TableCost, load_profile, profile_to_dict
 
 
@@ -120,6 +121,7 @@ def test_profile_takes_the_server_tables_and_the_base_copies():
     assert p.cost.keep == base.cost.keep and p.cost.restore == base.cost.restore and p.shape == base.shape
     assert p.invariant_rows == 64 and p.source == "measured"
     assert dict(p.provenance)["base"] == "tiny-base" and dict(p.provenance)["server_args"] == "--x"
+    assert dict(p.provenance)["machine"] == machine()
     analytic = load_profile("qwen3.5-2b-h200-roofline")
     with pytest.raises(ValueError, match="--base"):
         to_profile(served, grid, analytic, "x", "c", [])
