@@ -211,13 +211,13 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
 
 def machine_lines(server: str | None, profile: str | None) -> list[str]:
     """Where the server ran and where the profile was measured (`sim.api.machine`), and a note
-    when they differ: two H200 hosts ran the same 2B server ~15% apart, and a profile from the
-    other host put the simulator's TTFT 15.6-15.8% off where a same-host one gave 9.3-10.0%
-    (bench/RESULTS.md, session 13)."""
+    when they differ: two calls' H200 machines ran the same 2B server ~15% apart, and a profile
+    from the other call put the simulator's TTFT 15.6-15.8% off where one from the same call
+    gave 9.3-10.0% (bench/RESULTS.md, session 13)."""
     lines = [f"server machine: {server or 'not recorded'}; profile machine: {profile or 'not recorded'}"]
     if server and profile and server != profile:
-        lines.append("note: the profile was measured on another machine; host speed alone moved TTFT ~15% "
-                     "between two H200 hosts (bench/RESULTS.md, session 13)")
+        lines.append("note: the profile was measured on another machine; the machine alone moved TTFT ~15% "
+                     "between two H200 machines (bench/RESULTS.md, session 13)")
     return lines
 
 

@@ -123,8 +123,9 @@ def simulate(
 
 def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """This machine as a profile's provenance names it: "HOSTNAME (CPU MODEL, N CPUs)", the CPU
-    model read from `cpuinfo` ("unknown CPU" where it cannot be read). Why: two H200 hosts ran the
-    same 2B server ~15% apart (bench/RESULTS.md, session 13), so a measured profile says where."""
+    model read from `cpuinfo` ("unknown CPU" where it cannot be read). Why: two calls' H200
+    machines ran the same 2B server ~15% apart (bench/RESULTS.md, session 13), so a measured
+    profile says where it was measured."""
     model = "unknown CPU"
     try:
         for line in cpuinfo.read_text().splitlines():
