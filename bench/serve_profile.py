@@ -348,6 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--name", required=True, help="the new profile's name (its file: NAME.json)")
     ap.add_argument("--out", type=Path, required=True, help="folder for NAME.json, the trace and the server log")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="server start limit (default: 900)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="requests a prefill point, their median its time (default: the grid's: full 3, quick 2, "
+                         "tiny 2; more repeats, less noise: bench/RESULTS.md session 13)")
     args = ap.parse_args(argv)
     try:
         try:
@@ -355,6 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError, KeyError) as exc:
             raise ValueError(f"--base: {exc}") from None
         grid = GRIDS[args.grid]
+        if args.repeat is not None:
+            if args.repeat < 1:
+                raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+            grid = attrs.evolve(grid, repeat=args.repeat)
         if not isinstance(base.cost, TableCost):
             raise ValueError(f"--base {base.name}: needs a measured (table) profile for its keep and restore curves")
     except (ValueError, OSError, KeyError) as exc:

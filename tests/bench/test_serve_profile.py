@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from bench.serve_profile import (
@@ -132,10 +133,11 @@ def test_a_tiny_server_run_writes_a_profile_the_simulator_loads(tmp_path, capsys
     base_profile(base)
     out = tmp_path / "sp"
     assert main(["--grid", "tiny", "--base", str(base), "--out", str(out), "--name", "tiny-served",
-                 "--timeout-s", "120"]) == 0
+                 "--timeout-s", "120", "--repeat", "3"]) == 0
     text = capsys.readouterr().out
     p = load_profile(out / "tiny-served.json")
-    grid = GRIDS["tiny"]
+    grid = attrs.evolve(GRIDS["tiny"], repeat=3)  # --repeat 3 over the tiny grid's 2
+    assert "median of 3 requests a prefill point" in p.notes
     assert p.cost.prefill.x == tuple(map(float, grid.rows)) and p.cost.decode.x == tuple(map(float, grid.lanes))
     assert all(s > 0 for row in p.cost.prefill.seconds for s in row)
     assert all(s > 0 for row in p.cost.decode.seconds for s in row)
@@ -156,3 +158,5 @@ def test_cli_errors_name_the_flag(tmp_path, capsys):
     assert "--base" in capsys.readouterr().err
     assert main(["--base", str(tmp_path / "missing.json"), "--out", str(tmp_path), "--name", "x"]) == 2
     assert "--base" in capsys.readouterr().err
+    assert main(["--base", "qwen3.5-2b-h200", "--out", str(tmp_path), "--name", "x", "--repeat", "0"]) == 2
+    assert "--repeat must be >= 1, got 0" in capsys.readouterr().err
