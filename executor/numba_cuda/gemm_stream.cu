@@ -17,9 +17,10 @@
 // this kernel (slower: gemm_stream.py).
 //
 // Shapes (row-major, C-contiguous): x bf16 bits [m, k] and w bf16 bits [n, k], 16-byte
-// aligned; y f32 [m, n], 8-byte aligned; k a multiple of KT, n a multiple of 8 (the n-tile), 1 <= m <= 16 * MT. Rows of
-// the last m-tile past m and columns past n are zero-filled in shared memory (never read from
-// global memory, never stored). Dynamic shared memory: STAGES * (16 * MT + NT) * (KT + 8) bf16.
+// aligned; y f32 [m, n], 8-byte aligned; k a multiple of KT, n a multiple of 8 (the n-tile),
+// 1 <= m <= 16 * MT. Rows of the last m-tile past m and columns past n are zero-filled in
+// shared memory (never read from global memory, never stored). Dynamic shared memory:
+// STAGES * (16 * MT + NT) * (KT + 8) bf16.
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -133,7 +134,8 @@ __device__ __forceinline__ void gemm_stream(const bf16_t* x, const bf16_t* w, fl
         for (int kk = 0; kk < KT / 32; ++kk) {  // two k16 steps at a time (one B ldmatrix.x4)
             u32 b[NTILES][4];
 #pragma unroll
-            for (int j = 0; j < NTILES; ++j) gs_ldsm4(b[j][0], b[j][1], b[j][2], b[j][3], wb + 2u * (j * 8 * LDS + kk * 32));
+            for (int j = 0; j < NTILES; ++j)
+                gs_ldsm4(b[j][0], b[j][1], b[j][2], b[j][3], wb + 2u * (j * 8 * LDS + kk * 32));
 #pragma unroll
             for (int step = 0; step < 2; ++step) {
 #pragma unroll
