@@ -132,7 +132,9 @@ def warm_end_row(
     request's fresh plan (a mark, or a request start with request_starts on and starts not
     snapped to the grid, `snapping`): keep E. (b) Otherwise, with an invariant grid g: keep
     floor(E / g) * g when > 0. Else None: nothing at the end is usable, which is what the
-    earlier engine always had under 4096.
+    earlier engine always had under 4096. With max_chunk_rows not a multiple of g, the next
+    request may split its last span where the warm pass did not, so a (b) row can carry
+    other bits; `resume_row`'s fingerprint check then refuses it.
     """
     if end_row <= 0:
         return None

@@ -23,7 +23,7 @@ from policy_strategies import (
 from policy.config import PolicyConfig
 from policy.keep import KeepRow, PassKind, keep_rows
 from policy.plan import check_starts, plan_chunks
-from policy.usable import BackendFacts, warm_end_row
+from policy.usable import BackendFacts, KeptRow, cut_fingerprint, fresh_cuts, resume_row, snapping, warm_end_row
 
 
 @st.composite
@@ -42,10 +42,13 @@ def keep_examples(draw, real: bool = False):
 
 
 def _misaligned(cfg: PolicyConfig, facts: BackendFacts) -> bool:
-    """Starts off and max_chunk_rows off the invariant grid: a warm pass ending at
-    floor(E/g)*g cannot know the splits the longer next request makes in its last span."""
+    """max_chunk_rows off the invariant grid, with the warm end at floor(E/g)*g (starts off,
+    or snapped to the grid): that pass cannot know the splits the longer next request makes
+    in its last span (a span over max_chunk_rows is split, one that fits is not), so its end
+    may be unusable; `resume_row`'s fingerprint check refuses it then."""
     g = facts.invariant_rows
-    return not cfg.request_starts and g is not None and cfg.max_chunk_rows % g != 0
+    floor_end = not cfg.request_starts or snapping(cfg, facts)
+    return floor_end and g is not None and cfg.max_chunk_rows % g != 0
 
 
 def check_keep_rows(keep_fn, example) -> None:
@@ -129,6 +132,22 @@ def keep_warm_end_below_mark(kind, rows, starts, resume, cfg, facts):
 @given(keep_examples())
 def test_keep_rows(example):
     check_keep_rows(keep_rows, example)
+
+
+def test_misaligned_warm_end_is_refused_by_resume_row():
+    """Hypothesis' counterexample (session 14): max_chunk_rows 64 off the invariant grid 50,
+    starts snapped. The warm pass before a 445-row request (start 444) keeps 168, 336 and
+    floor(444 / 50) * 50 = 400 over the chunk [336, 400); the request's fresh plan splits
+    [336, 444) at 384, so 400's bits differ and resume_row takes 336, not 400."""
+    cfg = PolicyConfig(grid_rows=168, max_chunk_rows=64, request_starts=True)
+    facts = BackendFacts(invariant_rows=50)
+    assert snapping(cfg, facts) and _misaligned(cfg, facts)
+    keeps = keep_rows(PassKind.WARM, 444, (), 0, cfg, facts)
+    assert [k.row for k in keeps] == [168, 336, 400]
+    warm_cuts = [c.start for c in plan_chunks(400, (), 0, cfg, reads_logits=False) if c.start > 0]
+    assert warm_cuts[-1] == 336 and 384 in fresh_cuts(445, (444,), cfg)
+    kept = [KeptRow(k.row, cut_fingerprint(warm_cuts, k.row, facts)) for k in keeps]
+    assert resume_row(445, (444,), cfg, facts, kept) == 336
 
 
 @given(keep_examples(real=True))
