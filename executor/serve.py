@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tomllib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -134,8 +134,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-cache-gib", type=float, metavar="G",
                     help=f"prompt-cache budget, GiB: the device memory kept states hold (each its fixed "
                          f"part and its own K/V rows; the rows below, its parent's, are shared, not copied), "
-                         f"reserved at start-up on the GPU, at most free memory less 20 GiB (the budget is "
-                         f"lowered to what was reserved); 0 turns the cache and warm passes off and reserves "
+                         f"reserved at start-up on the GPU, at most free memory less the measured peak of "
+                         f"one chunk's activations and 2 GiB (the budget is lowered to what was reserved); "
+                         f"0 turns the cache and warm passes off and reserves "
                          f"nothing (default: {p.prompt_cache_bytes / GIB:g})")
     ap.add_argument("--request-starts", action=argparse.BooleanOptionalAction, default=None,
                     help=f"cut and keep at chat-message starts (default: {p.request_starts})")
@@ -185,10 +186,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        prefill_graphs=args.prefill_graphs, trace=args.trace, engine_process=args.engine_process, policy=policy)
 
 
-def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qwen35Config) -> tuple[Backend, str, int]:
+def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qwen35Config,
+                 stage: Callable[[str], None] | None = None) -> tuple[Backend, str, int]:
     """The backend for `kind`, its name and the context rows it serves; `auto` falls back
     to reference without a usable GPU. model_dir: the checkpoint, or None for seeded
     random weights (`cfg.seed`) at `config`'s shape, made on the GPU (no fallback).
+    stage: called on the GPU with "weights", "state_pool", "decode_graphs" and
+    "prefill_graphs" as each is done (bench/memory.py reads the device memory there).
 
     Raises RuntimeError when `cuda` (or random weights) is asked for and cannot be loaded.
     """
@@ -202,17 +206,23 @@ def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qw
                 raise RuntimeError("no usable GPU")
             rows = cfg.context_rows or min(max_rows, cfg.gpu_context_rows)
             slots = cfg.policy.lanes + 2  # the lanes, a warm pass, a restore in flight
+            stage = stage or (lambda name: None)
             if model_dir is None:
                 from executor.numba_cuda import device_weights
 
                 weights = device_weights.random(config, seed=cfg.seed)
+                stage("weights")
                 backend = NumbaCudaBackend.from_device_weights(config, weights, slots=slots, capacity_rows=rows)
             else:
                 backend = NumbaCudaBackend.from_dir(model_dir, slots=slots, capacity_rows=rows)
+                stage("weights")  # with the state pool: from_dir makes both
+            stage("state_pool")
             if cfg.decode_graphs:
                 backend.enable_decode_graphs(cfg.policy.lanes)
+                stage("decode_graphs")
             if cfg.prefill_graphs:
                 backend.enable_prefill_graphs()
+                stage("prefill_graphs")
             return backend, "cuda", rows
         except Exception as exc:  # ImportError, no GPU, a checkpoint the GPU backend cannot serve
             if model_dir is None:
@@ -237,7 +247,8 @@ def cache_budget(policy: PolicyConfig, held_bytes: int) -> PolicyConfig:
     if held_bytes >= policy.prompt_cache_bytes:
         return policy
     log.warning("prompt_cache_lowered", asked_gib=round(policy.prompt_cache_bytes / GIB, 2),
-                held_gib=round(held_bytes / GIB, 2), why="the GPU cannot spare the budget beside 20 GiB for activations")
+                held_gib=round(held_bytes / GIB, 2),
+                why="the GPU cannot spare the budget beside the activations' headroom")
     return policy.with_changes(prompt_cache_bytes=max(0, int(held_bytes)))
 
 
@@ -350,7 +361,8 @@ async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None,
     policy = cfg.policy
     reserve = getattr(backend, "reserve_cache", None)
     if reserve is not None and policy.cache_enabled:  # after the warm-up: it takes what is left
-        policy = cache_budget(policy, await asyncio.to_thread(reserve, policy.prompt_cache_bytes))
+        policy = cache_budget(policy, await asyncio.to_thread(reserve, policy.prompt_cache_bytes,
+                                                              chunk_rows=policy.max_chunk_rows))
     gc.collect()
     gc.freeze()  # start-up objects (weights, kernels, tokenizer) leave the collector's scans
     return Runtime(backend, tokenizer, policy, trace=trace, steps=steps), ChatRenderer(tokenizer, model.template), \

@@ -51,6 +51,11 @@ at every row count tried, 1 to 8192)."""
 
 log = structlog.get_logger(__name__)
 
+HEADROOM_MARGIN_BYTES = 2 << 30
+"""Device memory `reserve_cache` leaves free beyond a chunk's measured activation peak:
+allocations outside `device.POOL` (numba's own arrays, the driver, the GEMM library) and
+size classes the cached blocks do not match."""
+
 PREFILL_ATTENTION_PATHS = ("flash", "matrix", "cuda-core")
 """The prefill attention paths, fastest first (NumbaCudaBackend.prefill_attention)."""
 PREFILL_ATTENTION_ENV = "WARMSTATE_PREFILL_ATTENTION"
@@ -536,19 +541,51 @@ class NumbaCudaBackend:
         self.advance(states, logits)
         return logits
 
-    def reserve_cache(self, nbytes: int, headroom_bytes: int = 20 << 30) -> int:
+    def activation_peak(self, chunk_rows: int) -> int:
+        """Device bytes a prefill chunk of `chunk_rows` rows (capped at the capacity) takes
+        beyond what is live now: the peak of `device.POOL`'s live blocks while one chunk runs
+        at the end of a fresh slot's capacity (the most keys its attention reads), logits on,
+        graphs off (chunks past the largest bucket run eagerly). Decode rounds and short
+        chunks replay captured graphs whose buffers are held already. 0 without the pool
+        (WARMSTATE_DEVICE_POOL=0, the simulator). The probe writes K/V rows of a slot it
+        releases after; no state is changed."""
+        from executor.numba_cuda import device
+
+        pool = device.POOL
+        if pool is None:
+            return 0
+        rows = max(1, min(int(chunk_rows), self.pool.capacity_rows))
+        start = self.pool.capacity_rows - rows
+        state = self.new_state()
+        cuda.synchronize()
+        base = pool.live_bytes
+        pool.reset_peak()
+        try:
+            state.rows = start  # rows below start are never read as a prompt: the zeroed K/V stand in
+            with self.eager_prefill():
+                self.prefill(state, np.zeros(start + rows, np.int64), (start, start + rows))
+            cuda.synchronize()
+        finally:
+            self.release(state)
+        return max(0, pool.peak_bytes - base)
+
+    def reserve_cache(self, nbytes: int, headroom_bytes: int | None = None, chunk_rows: int = 4096) -> int:
         """Take payload memory from a stream-ordered pool grown now to min(nbytes, free device
         memory - headroom_bytes) (`cache_memory.CacheMemory`: a keep then allocates from
         memory the process holds, in exact sizes). Call once the weights, graphs and warm-up
-        hold their memory. headroom_bytes: left for activations (device.POOL caches up to 16
-        GiB of them by default; an activation that finds no memory trims the cache pool's
-        unused part, never a kept state).
+        hold their memory. headroom_bytes: left for activations; None measures it:
+        `activation_peak(chunk_rows)` + HEADROOM_MARGIN_BYTES, after which `device.POOL`'s
+        cached blocks go back to the driver so the free memory counts them (session 12 left
+        a fixed 20 GiB, which left the 27B server no cache at all: bench/RESULTS.md, session
+        14). An activation that finds no memory trims the cache pool's unused part, never a
+        kept state.
 
         Returns the prompt-cache budget this device holds, bytes: nbytes when all of it was
         reserved, else what was (0 when the device cannot spare any), so the caller can lower
         its budget: a store counting more than the reserve would grow the cache into the
         activations' headroom. nbytes unchanged where the driver has no memory pools (logged;
         keeps then allocate from device.POOL as before the reserve existed)."""
+        from executor.numba_cuda import device
         from executor.numba_cuda.cache_memory import CacheMemory
 
         if self.pool.memory is None:
@@ -556,10 +593,17 @@ class NumbaCudaBackend:
         memory = self.pool.memory
         if memory is None:
             return int(nbytes)
-        free, _ = cuda.current_context().get_memory_info()
+        peak = None
+        if headroom_bytes is None:
+            peak = self.activation_peak(chunk_rows)
+            headroom_bytes = peak + HEADROOM_MARGIN_BYTES
+            if device.POOL is not None:
+                device.POOL.release()
+        free, total = cuda.current_context().get_memory_info()
         want = max(0, min(int(nbytes), int(free) - int(headroom_bytes)))
         got = memory.reserve(want)
-        log.info("cache_memory_reserved", bytes=got, asked=int(nbytes), free=int(free))
+        log.info("cache_memory_reserved", bytes=got, asked=int(nbytes), free=int(free), total=int(total),
+                 headroom=int(headroom_bytes), activation_peak=peak, chunk_rows=chunk_rows)
         return got
 
     def snapshot(self, state: DeviceState, base: DevicePayload | None = None) -> DevicePayload:

@@ -60,46 +60,6 @@ def _poison_value(dtype: np.dtype):
     raise ValueError(f"no poison value for dtype {dtype}")
 
 
-class StepBuffers:
-    """The buffers `empty` hands out during one step, in order: inside `recording()` each
-    new buffer is kept; inside `replaying()` the kept buffers come back in the same order
-    (same shapes and dtypes, else RuntimeError), so a second run of the same step (a CUDA
-    graph capture) allocates nothing and the buffers outlive it."""
-
-    def __init__(self) -> None:
-        self.buffers: list = []
-        self._next = 0
-
-    @contextlib.contextmanager
-    def recording(self):
-        token = _step.set((self, False))
-        try:
-            yield self
-        finally:
-            _step.reset(token)
-
-    @contextlib.contextmanager
-    def replaying(self):
-        self._next = 0
-        token = _step.set((self, True))
-        try:
-            yield self
-        finally:
-            _step.reset(token)
-        if self._next != len(self.buffers):
-            raise RuntimeError(f"the replayed step took {self._next} of {len(self.buffers)} recorded buffers")
-
-    def _take(self, shape: tuple, dtype: np.dtype):
-        if self._next >= len(self.buffers):
-            raise RuntimeError("the replayed step allocates more buffers than the recorded one")
-        array = self.buffers[self._next]
-        if tuple(array.shape) != shape or array.dtype != dtype:
-            raise RuntimeError(f"replayed buffer {self._next}: {shape} {dtype} != recorded {array.shape} {array.dtype}")
-        self._next += 1
-        return array
-
-
-_step: contextvars.ContextVar[tuple[StepBuffers, bool] | None] = contextvars.ContextVar("warmstate_step", default=None)
 _pool: contextvars.ContextVar["DevicePool | None"] = contextvars.ContextVar("warmstate_pool", default=None)
 
 
@@ -367,6 +327,10 @@ class DevicePool:
         """Callables that give other pools' unused memory back before the retry after an
         allocation failure (`cache_memory.CacheMemory.trim`)."""
         self.cached_bytes = 0
+        self.live_bytes = 0
+        """Bytes of the blocks handed out and not yet given back (size classes, not requests)."""
+        self.peak_bytes = 0
+        """The most `live_bytes` since the pool was made or `reset_peak` ran."""
         self.hits = self.misses = 0
         self._free: dict[int, list[int]] = {}
         self._retired: list[int] = []
@@ -380,6 +344,7 @@ class DevicePool:
             if blocks:
                 self.cached_bytes -= size
                 self.hits += 1
+                self._lease(size)
                 return blocks.pop()
             self.misses += 1
             retired, self._retired = self._retired, []
@@ -389,17 +354,30 @@ class DevicePool:
             for ptr in retired:
                 driver.cuMemFree(ptr)
         try:
-            return int(driver.cuMemAlloc(size))
+            ptr = int(driver.cuMemAlloc(size))
         except Exception:  # noqa: BLE001 - out of memory: give the cached blocks back and retry once
             if not self.release_on_oom:
                 raise
             self.release()
             for give_back in self.on_oom:
                 give_back()
-            return int(driver.cuMemAlloc(size))
+            ptr = int(driver.cuMemAlloc(size))
+        with self._lock:
+            self._lease(size)
+        return ptr
+
+    def _lease(self, size: int) -> None:  # under the lock
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def reset_peak(self) -> None:
+        """Start `peak_bytes` again from the bytes live now."""
+        with self._lock:
+            self.peak_bytes = self.live_bytes
 
     def _give(self, size: int, ptr: int) -> None:
         with self._lock:
+            self.live_bytes -= size
             if self.cached_bytes + size <= self.limit_bytes:
                 self._free.setdefault(size, []).append(ptr)
                 self.cached_bytes += size
@@ -438,14 +416,10 @@ POOL = None if IS_SIMULATOR or os.environ.get("WARMSTATE_DEVICE_POOL", "1") == "
 
 
 def empty(shape, dtype, stream=0):
-    """A new device array (uninitialised; poisoned inside `poisoned()`; the recorded one
-    inside `StepBuffers.replaying()`; a `LeanArray` from the pool of `using_pool`, else from
-    `POOL` when it is on)."""
+    """A new device array (uninitialised; poisoned inside `poisoned()`; a `LeanArray` from the
+    pool of `using_pool`, else from `POOL` when it is on)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in (shape if isinstance(shape, tuple) else (shape,)))
-    step = _step.get()
-    if step is not None and step[1]:
-        return step[0]._take(shape, dtype)
     pool = _pool.get() or POOL
     if pool is not None and all(shape):
         array = pool.array(shape, dtype, stream)
@@ -453,8 +427,6 @@ def empty(shape, dtype, stream=0):
         array = cuda.device_array(shape, dtype=dtype, stream=stream)
     if _poison.get() and array.size:
         array.copy_to_device(np.full(array.shape, _poison_value(dtype), dtype=dtype), stream=stream)
-    if step is not None:
-        step[0].buffers.append(array)
     return array
 
 
@@ -516,6 +488,17 @@ def zeros(shape, dtype, stream=0):
     array = cuda.device_array(shape, dtype=np.dtype(dtype), stream=stream)
     if array.size:
         array.copy_to_device(np.zeros(array.shape, dtype=dtype), stream=stream)
+    return array if IS_SIMULATOR else LeanArray.wrap(array)
+
+
+def lasting(shape, dtype, stream=0):
+    """A new uninitialised device array of exactly its bytes, outside every pool: for arrays
+    that live as long as the backend (weights, the state pool). `empty`'s size classes round
+    a block up by up to 25%, 6.2 GiB over the 27B's 50.1 GiB of random weights (sessions
+    12-14 took them from the pool; bench/RESULTS.md session 15). A `LeanArray` on a GPU,
+    numba's array under the simulator."""
+    array = cuda.device_array(tuple(shape) if isinstance(shape, tuple) else (shape,), dtype=np.dtype(dtype),
+                              stream=stream)
     return array if IS_SIMULATOR else LeanArray.wrap(array)
 
 

@@ -14,7 +14,7 @@ from numba import cuda
 
 from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import attention_prep
-from executor.numba_cuda.device import THREADS, bf16_to_f32, empty, f32_to_bf16, to_device
+from executor.numba_cuda.device import THREADS, bf16_to_f32, f32_to_bf16, lasting, to_device
 from executor.safetensors_file import f32_to_bf16 as host_f32_to_bf16
 from executor.weights import Weights
 
@@ -150,7 +150,7 @@ def random(config: Qwen35Config, seed: int = 0) -> DeviceWeights:
     amp = MATRIX_STD * 3 ** 0.5
 
     def new(shape, dtype, scale, offset=0.0):
-        array = empty(shape, dtype)
+        array = lasting(shape, dtype)
         fill_uniform(array, seed * 1_000_003 + next(count), scale, offset)
         return array
 

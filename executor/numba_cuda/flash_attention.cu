@@ -92,8 +92,8 @@ __device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Copy keys [block * BN, block * BN + BN) of one K/V head into dst [BN, LDS] (one
-// commit group per call, empty for threads with no piece).
+// Copy keys [block * BN, block * BN + BN) of one K/V head into dst [BN, LDS] (the caller
+// commits the group).
 template <int D, int BN, int THREADS>
 __device__ __forceinline__ void load_block(bf16_t* dst, const bf16_t* src, size_t row_stride, int block) {
     constexpr int LDS = D + 8;
@@ -103,20 +103,173 @@ __device__ __forceinline__ void load_block(bf16_t* dst, const bf16_t* src, size_
         int key = c / PIECES, piece = c % PIECES;
         copy16(smem_addr(dst + key * LDS + piece * 8), src + (size_t)(block * BN + key) * row_stride + piece * 8);
     }
-    commit();
 }
 
-template <int D, int WARPS, int BN>
+// Virtual rows g and g + 8 of the warp (clamped to the last): their chunk row and query head.
+__device__ __forceinline__ void row_pair(int (&vr)[2], int (&row)[2], int (&head)[2], int warp_first, int g,
+                                         int vrows, int group, int h) {
+    vr[0] = warp_first + g;
+    vr[1] = warp_first + g + 8;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int v = min(vr[r], vrows - 1);
+        row[r] = v / group;
+        head[r] = h * group + v % group;
+    }
+}
+
+// The warp's Q fragments (bf16 of the f32 rows) for S = Q K^T.
+template <int D>
+__device__ __forceinline__ void load_q(u32 (&qf)[D / 16][4], const float* q, const int* row, const int* head,
+                                       int q_heads, int t) {
+    const float* q0 = q + ((size_t)row[0] * q_heads + head[0]) * D + 2 * t;
+    const float* q1 = q + ((size_t)row[1] * q_heads + head[1]) * D + 2 * t;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+        float2 a = *reinterpret_cast<const float2*>(q0 + k * 16);
+        float2 b = *reinterpret_cast<const float2*>(q1 + k * 16);
+        float2 c = *reinterpret_cast<const float2*>(q0 + k * 16 + 8);
+        float2 e = *reinterpret_cast<const float2*>(q1 + k * 16 + 8);
+        qf[k][0] = pack2(a.x, a.y);
+        qf[k][1] = pack2(b.x, b.y);
+        qf[k][2] = pack2(c.x, c.y);
+        qf[k][3] = pack2(e.x, e.y);
+    }
+}
+
+// S = Q K_b^T for the warp's 16 rows against the block in shared memory at k_lane.
+template <int D, int BN>
+__device__ __forceinline__ void block_scores(float (&s)[BN / 8][4], const u32 (&qf)[D / 16][4], u32 k_lane) {
+    constexpr int LDS = D + 8;
+    constexpr int KSTEPS = D / 16;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int k = 0; k + 1 < KSTEPS; k += 2) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+            u32 b0, b1, b2, b3;
+            ldsm4(b0, b1, b2, b3, k_lane + 2u * (n * 8 * LDS + k * 16));
+            mma(s[n], qf[k], b0, b1);
+            mma(s[n], qf[k + 1], b2, b3);
+        }
+    }
+    if (KSTEPS % 2) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+            u32 b0, b1;
+            ldsm2(b0, b1, k_lane + 2u * (n * 8 * LDS + (KSTEPS - 1) * 16));
+            mma(s[n], qf[KSTEPS - 1], b0, b1);
+        }
+    }
+}
+
+// The online softmax over block b: scale and mask S, move m, l and O's scale, and give
+// P as bf16 A fragments.
+template <int D, int BN>
+__device__ __forceinline__ void block_softmax(u32 (&pf)[BN / 16][4], float (&s)[BN / 8][4], float (&m)[2],
+                                              float (&l)[2], float (&acc)[D / 8][4], const int* pos, int b,
+                                              bool masked, float scale2, int t) {
+    constexpr int ST = BN / 8;
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float top = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float x = __fmul_rn(s[n][2 * r + e], scale2);  // _rn: never fused, whatever the path
+                if (masked && b * BN + n * 8 + 2 * t + e > pos[r]) x = NEG_INF;
+                s[n][2 * r + e] = x;
+                top = fmaxf(top, x);
+            }
+        }
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        const float fresh = fmaxf(m[r], top);
+        alpha[r] = exp2_approx(__fsub_rn(m[r], fresh));  // exactly 1 when the max holds
+        m[r] = fresh;
+        float total = 0.0f;
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            const u32 p = pack2(exp2_approx(__fsub_rn(s[n][2 * r], fresh)),
+                                exp2_approx(__fsub_rn(s[n][2 * r + 1], fresh)));
+            total += __uint_as_float(p << 16);
+            total += __uint_as_float(p & 0xFFFF0000u);
+            // A fragment of P for k-step n / 2: a0/a1 rows g / g+8 keys 2t.., a2/a3 keys 8+2t..
+            pf[n / 2][(n % 2) * 2 + r] = p;
+        }
+        l[r] = __fadd_rn(__fmul_rn(l[r], alpha[r]), total);
+    }
+    // O *= alpha, skipped when every row of the warp kept its max (alpha = 1: the same bits)
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            acc[n][0] *= alpha[0];
+            acc[n][1] *= alpha[0];
+            acc[n][2] *= alpha[1];
+            acc[n][3] *= alpha[1];
+        }
+    }
+}
+
+// O += P V_b for the block in shared memory at v_lane.
+template <int D, int BN>
+__device__ __forceinline__ void block_values(float (&acc)[D / 8][4], const u32 (&pf)[BN / 16][4], u32 v_lane) {
+    constexpr int LDS = D + 8;
+#pragma unroll
+    for (int k = 0; k < BN / 16; ++k) {
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            u32 b0, b1, b2, b3;
+            ldsm4t(b0, b1, b2, b3, v_lane + 2u * (k * 16 * LDS + n * 8));
+            mma(acc[n], pf[k], b0, b1);
+            mma(acc[n + 1], pf[k], b2, b3);
+        }
+    }
+}
+
+// out = bf16((O / l) / (1 + exp(-gate))) for the warp's live rows.
+template <int D>
+__device__ __forceinline__ void finish(bf16_t* out, const float* qg, float (&acc)[D / 8][4], float (&l)[2],
+                                       const int* vr, const int* row, const int* head, int vrows, int q_heads,
+                                       int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const size_t gate_stride = (size_t)q_heads * 2 * D;
+    const size_t out_stride = (size_t)q_heads * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (vr[r] >= vrows) continue;
+        const float* gate = qg + row[r] * gate_stride + (size_t)head[r] * 2 * D + D + 2 * t;
+        u32* dst = reinterpret_cast<u32*>(out + row[r] * out_stride + (size_t)head[r] * D + 2 * t);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            float lo = (acc[n][2 * r] / l[r]) / (1.0f + expf(-gate[n * 8]));
+            float hi = (acc[n][2 * r + 1] / l[r]) / (1.0f + expf(-gate[n * 8 + 1]));
+            dst[n * 4] = pack2(lo, hi);
+        }
+    }
+}
+
+// The CTA's loop over key blocks. STAGES == 1: one K and one V buffer in static shared
+// memory, V_b loaded while S = Q K_b^T runs and K_{b+1} while the softmax and P V_b run
+// (three barriers a block). STAGES >= 2: a ring of STAGES (K, V) block pairs in dynamic
+// shared memory, blocks b + 1 .. b + STAGES - 1 in flight while block b runs (one barrier
+// a block): a short chunk has a CTA or two per SM and nothing else to hide the copies'
+// latency behind (27B, 51 rows: 194 us a layer for 64 blocks, bench/RESULTS.md session
+// 14). The arithmetic is the same code in the same order: the same bits.
+template <int D, int WARPS, int BN, int STAGES>
 __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
                                               bf16_t* out, int rows, int start, int q_heads, int kv_heads,
                                               float scale) {
     constexpr int LDS = D + 8;      // shared row stride (elements): rows 16-byte aligned, ldmatrix conflict-free
-    constexpr int KSTEPS = D / 16;  // k-steps of S = Q K^T
-    constexpr int DT = D / 8;       // n-tiles of O
-    constexpr int ST = BN / 8;      // n-tiles of S
     constexpr int THREADS = WARPS * 32;
-    __shared__ __align__(16) bf16_t ks[BN * LDS];
-    __shared__ __align__(16) bf16_t vs[BN * LDS];
+    constexpr int BLOCK = BN * LDS; // elements of one K or V block in shared memory
 
     const int group = q_heads / kv_heads;
     const int h = blockIdx.y;
@@ -132,187 +285,127 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
     // blocks wholly at or below the warp's first position need no mask
     const int unmasked = warp_first < vrows ? (start + warp_first / group + 1) / BN : 0;
     const float scale2 = scale * 1.4426950408889634f;  // scores in log2 units: exp(x) = 2^(x log2 e)
-
-    int vr[2] = {warp_first + g, warp_first + g + 8};
-    int row[2], head[2], pos[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        int v = min(vr[r], vrows - 1);
-        row[r] = v / group;
-        head[r] = h * group + v % group;
-        pos[r] = start + row[r];
-    }
-
-    u32 qf[KSTEPS][4];
+    int pos[2];
+    u32 qf[D / 16][4];
     {
-        const float* q0 = q + ((size_t)row[0] * q_heads + head[0]) * D + 2 * t;
-        const float* q1 = q + ((size_t)row[1] * q_heads + head[1]) * D + 2 * t;
-#pragma unroll
-        for (int k = 0; k < KSTEPS; ++k) {
-            float2 a = *reinterpret_cast<const float2*>(q0 + k * 16);
-            float2 b = *reinterpret_cast<const float2*>(q1 + k * 16);
-            float2 c = *reinterpret_cast<const float2*>(q0 + k * 16 + 8);
-            float2 e = *reinterpret_cast<const float2*>(q1 + k * 16 + 8);
-            qf[k][0] = pack2(a.x, a.y);
-            qf[k][1] = pack2(b.x, b.y);
-            qf[k][2] = pack2(c.x, c.y);
-            qf[k][3] = pack2(e.x, e.y);
-        }
+        int vr[2], row[2], head[2];  // not kept through the loop: finish works them out again
+        row_pair(vr, row, head, warp_first, g, vrows, group, h);
+        pos[0] = start + row[0];
+        pos[1] = start + row[1];
+        load_q<D>(qf, q, row, head, q_heads, t);
     }
-
-    float acc[DT][4];
+    float acc[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < DT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF};  // running max, log2 units
     float l[2] = {0.0f, 0.0f};        // this thread's share of the running sum
 
     const size_t row_stride = (size_t)kv_heads * D;
     const bf16_t* kbase = kc + (size_t)h * D;
     const bf16_t* vbase = vc + (size_t)h * D;
-    const u32 ks0 = smem_addr(ks), vs0 = smem_addr(vs);
-    // ldmatrix row addresses (bytes): K non-transposed (matrix j = lane / 8 covers dims
+    // ldmatrix row offsets (bytes): K non-transposed (matrix j = lane / 8 covers dims
     // 8j..8j+7 of two k-steps), V transposed (matrices: keys +0 / +8, dims +0 / +8).
-    const u32 k_lane = ks0 + 2u * ((lane & 7) * LDS + (lane >> 3) * 8);
-    const u32 v_lane = vs0 + 2u * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+    const u32 k_off = 2u * ((lane & 7) * LDS + (lane >> 3) * 8);
+    const u32 v_off = 2u * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
 
-    load_block<D, BN, THREADS>(ks, kbase, row_stride, 0);
-    for (int b = 0; b < blocks; ++b) {
-        wait_groups<0>();
-        __syncthreads();  // K_b is in; every warp is done with V_{b-1}
-        load_block<D, BN, THREADS>(vs, vbase, row_stride, b);
-        const bool active = b < warp_blocks;
-        float s[ST][4];
-#pragma unroll
-        for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-        if (active) {
-#pragma unroll
-            for (int k = 0; k + 1 < KSTEPS; k += 2) {
-#pragma unroll
-                for (int n = 0; n < ST; ++n) {
-                    u32 b0, b1, b2, b3;
-                    ldsm4(b0, b1, b2, b3, k_lane + 2u * (n * 8 * LDS + k * 16));
-                    mma(s[n], qf[k], b0, b1);
-                    mma(s[n], qf[k + 1], b2, b3);
-                }
-            }
-            if (KSTEPS % 2) {
-#pragma unroll
-                for (int n = 0; n < ST; ++n) {
-                    u32 b0, b1;
-                    ldsm2(b0, b1, k_lane + 2u * (n * 8 * LDS + (KSTEPS - 1) * 16));
-                    mma(s[n], qf[KSTEPS - 1], b0, b1);
-                }
-            }
-        }
-        __syncthreads();  // every warp is done with K_b
-        if (b + 1 < blocks) load_block<D, BN, THREADS>(ks, kbase, row_stride, b + 1);
-        u32 pf[BN / 16][4];
-        if (active) {
-            const bool masked = b >= unmasked;  // warp-uniform
-            float alpha[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float top = NEG_INF;
-#pragma unroll
-                for (int n = 0; n < ST; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float x = __fmul_rn(s[n][2 * r + e], scale2);  // _rn: never fused, whatever the path
-                        if (masked && b * BN + n * 8 + 2 * t + e > pos[r]) x = NEG_INF;
-                        s[n][2 * r + e] = x;
-                        top = fmaxf(top, x);
-                    }
-                }
-                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-                const float fresh = fmaxf(m[r], top);
-                alpha[r] = exp2_approx(__fsub_rn(m[r], fresh));  // exactly 1 when the max holds
-                m[r] = fresh;
-                float total = 0.0f;
-#pragma unroll
-                for (int n = 0; n < ST; ++n) {
-                    const u32 p = pack2(exp2_approx(__fsub_rn(s[n][2 * r], fresh)),
-                                        exp2_approx(__fsub_rn(s[n][2 * r + 1], fresh)));
-                    total += __uint_as_float(p << 16);
-                    total += __uint_as_float(p & 0xFFFF0000u);
-                    // A fragment of P for k-step n / 2: a0/a1 rows g / g+8 keys 2t.., a2/a3 keys 8+2t..
-                    pf[n / 2][(n % 2) * 2 + r] = p;
-                }
-                l[r] = __fadd_rn(__fmul_rn(l[r], alpha[r]), total);
-            }
-            // O *= alpha, skipped when every row of the warp kept its max (alpha = 1: the same bits)
-            if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-                for (int n = 0; n < DT; ++n) {
-                    acc[n][0] *= alpha[0];
-                    acc[n][1] *= alpha[0];
-                    acc[n][2] *= alpha[1];
-                    acc[n][3] *= alpha[1];
-                }
-            }
-        }
-        if (b + 1 < blocks) {
-            wait_groups<1>();
-        } else {
+    if constexpr (STAGES == 1) {
+        __shared__ __align__(16) bf16_t ks[BLOCK];
+        __shared__ __align__(16) bf16_t vs[BLOCK];
+        const u32 k_lane = smem_addr(ks) + k_off, v_lane = smem_addr(vs) + v_off;
+        load_block<D, BN, THREADS>(ks, kbase, row_stride, 0);
+        commit();
+        for (int b = 0; b < blocks; ++b) {
             wait_groups<0>();
+            __syncthreads();  // K_b is in; every warp is done with V_{b-1}
+            load_block<D, BN, THREADS>(vs, vbase, row_stride, b);
+            commit();
+            const bool active = b < warp_blocks;
+            float s[BN / 8][4];
+            if (active) block_scores<D, BN>(s, qf, k_lane);
+            __syncthreads();  // every warp is done with K_b
+            if (b + 1 < blocks) {
+                load_block<D, BN, THREADS>(ks, kbase, row_stride, b + 1);
+                commit();
+            }
+            u32 pf[BN / 16][4];
+            if (active) block_softmax<D, BN>(pf, s, m, l, acc, pos, b, b >= unmasked, scale2, t);
+            if (b + 1 < blocks) {
+                wait_groups<1>();
+            } else {
+                wait_groups<0>();
+            }
+            __syncthreads();  // V_b is in
+            if (active) block_values<D, BN>(acc, pf, v_lane);
         }
-        __syncthreads();  // V_b is in
-        if (active) {
+    } else {
+        extern __shared__ __align__(16) unsigned char ring_bytes[];
+        bf16_t* ring = reinterpret_cast<bf16_t*>(ring_bytes);  // STAGES x (K block, V block)
+        const u32 ring0 = smem_addr(ring);
 #pragma unroll
-            for (int k = 0; k < BN / 16; ++k) {
-#pragma unroll
-                for (int n = 0; n < DT; n += 2) {
-                    u32 b0, b1, b2, b3;
-                    ldsm4t(b0, b1, b2, b3, v_lane + 2u * (k * 16 * LDS + n * 8));
-                    mma(acc[n], pf[k], b0, b1);
-                    mma(acc[n + 1], pf[k], b2, b3);
-                }
+        for (int p = 0; p < STAGES - 1; ++p) {  // prologue: blocks 0 .. STAGES - 2, one group each
+            if (p < blocks) {
+                load_block<D, BN, THREADS>(ring + (2 * p) * BLOCK, kbase, row_stride, p);
+                load_block<D, BN, THREADS>(ring + (2 * p + 1) * BLOCK, vbase, row_stride, p);
+            }
+            commit();
+        }
+        for (int b = 0; b < blocks; ++b) {
+            wait_groups<STAGES - 2>();  // block b's group is in (STAGES - 1 + b groups committed)
+            __syncthreads();            // ... for every thread; every warp is done with block b - 1
+            const int next = b + STAGES - 1;  // into block b - 1's stage
+            if (next < blocks) {
+                const int stage = next % STAGES;
+                load_block<D, BN, THREADS>(ring + (2 * stage) * BLOCK, kbase, row_stride, next);
+                load_block<D, BN, THREADS>(ring + (2 * stage + 1) * BLOCK, vbase, row_stride, next);
+            }
+            commit();  // empty past the last block: the group count stays b + STAGES
+            if (b < warp_blocks) {
+                const int stage = b % STAGES;
+                float s[BN / 8][4];
+                block_scores<D, BN>(s, qf, ring0 + 2u * (2 * stage) * BLOCK + k_off);
+                u32 pf[BN / 16][4];
+                block_softmax<D, BN>(pf, s, m, l, acc, pos, b, b >= unmasked, scale2, t);
+                block_values<D, BN>(acc, pf, ring0 + 2u * (2 * stage + 1) * BLOCK + v_off);
             }
         }
+        wait_groups<0>();
     }
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const size_t gate_stride = (size_t)q_heads * 2 * D;
-    const size_t out_stride = (size_t)q_heads * D;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (vr[r] >= vrows) continue;
-        const float* gate = qg + row[r] * gate_stride + (size_t)head[r] * 2 * D + D + 2 * t;
-        u32* dst = reinterpret_cast<u32*>(out + row[r] * out_stride + (size_t)head[r] * D + 2 * t);
-#pragma unroll
-        for (int n = 0; n < DT; ++n) {
-            float lo = (acc[n][2 * r] / l[r]) / (1.0f + expf(-gate[n * 8]));
-            float hi = (acc[n][2 * r + 1] / l[r]) / (1.0f + expf(-gate[n * 8 + 1]));
-            dst[n * 4] = pack2(lo, hi);
-        }
-    }
+    int vr[2], row[2], head[2];
+    row_pair(vr, row, head, warp_first, g, vrows, group, h);
+    finish<D>(out, qg, acc, l, vr, row, head, vrows, q_heads, t);
 }
 
 // Entry points: numba's ABI (status return, result pointer first); pointers and counts
 // as int64 (what numba types a Python int as), the scale as float32.
-#define FLASH_ENTRY(D, WARPS, BN)                                                                                  \
-    extern "C" __device__ int flash_prefill_##D##_##WARPS##_##BN(int* result, long long q, long long qg, long long kc, \
-                                                          long long vc, long long out, long long rows,         \
-                                                          long long start, long long q_heads,                  \
-                                                          long long kv_heads, float scale) {                   \
-        flash_prefill<D, WARPS, BN>(reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qg),          \
-                                reinterpret_cast<const bf16_t*>(kc), reinterpret_cast<const bf16_t*>(vc),       \
-                                reinterpret_cast<bf16_t*>(out), (int)rows, (int)start, (int)q_heads,           \
-                                (int)kv_heads, scale);                                                        \
-        *result = 0;                                                                                           \
-        return 0;                                                                                              \
+#define FLASH_ENTRY(D, WARPS, BN, STAGES)                                                                         \
+    extern "C" __device__ int flash_prefill_##D##_##WARPS##_##BN##_##STAGES(                                       \
+        int* result, long long q, long long qg, long long kc, long long vc, long long out, long long rows,         \
+        long long start, long long q_heads, long long kv_heads, float scale) {                                     \
+        flash_prefill<D, WARPS, BN, STAGES>(reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qg), \
+                                            reinterpret_cast<const bf16_t*>(kc), reinterpret_cast<const bf16_t*>(vc), \
+                                            reinterpret_cast<bf16_t*>(out), (int)rows, (int)start, (int)q_heads,  \
+                                            (int)kv_heads, scale);                                                 \
+        *result = 0;                                                                                               \
+        return 0;                                                                                                  \
     }
 
-FLASH_ENTRY(16, 4, 32)
-FLASH_ENTRY(32, 4, 32)
-FLASH_ENTRY(64, 4, 32)
-FLASH_ENTRY(128, 4, 32)
-FLASH_ENTRY(128, 8, 32)
-FLASH_ENTRY(256, 4, 32)
-FLASH_ENTRY(256, 2, 32)
-FLASH_ENTRY(256, 1, 32)
-FLASH_ENTRY(256, 8, 32)
+FLASH_ENTRY(16, 4, 32, 1)
+FLASH_ENTRY(32, 4, 32, 1)
+FLASH_ENTRY(64, 4, 32, 1)
+FLASH_ENTRY(128, 4, 32, 1)
+FLASH_ENTRY(128, 8, 32, 1)
+FLASH_ENTRY(256, 4, 32, 1)
+FLASH_ENTRY(256, 2, 32, 1)
+FLASH_ENTRY(256, 1, 32, 1)
+FLASH_ENTRY(256, 8, 32, 1)
+FLASH_ENTRY(16, 4, 32, 3)
+FLASH_ENTRY(32, 4, 32, 3)
+FLASH_ENTRY(64, 4, 32, 3)
+FLASH_ENTRY(128, 4, 32, 3)
+FLASH_ENTRY(128, 8, 32, 3)
+FLASH_ENTRY(256, 4, 32, 2)
+FLASH_ENTRY(256, 4, 32, 3)
+FLASH_ENTRY(256, 4, 32, 4)
+FLASH_ENTRY(256, 8, 32, 2)
+FLASH_ENTRY(256, 8, 32, 3)
+FLASH_ENTRY(256, 8, 32, 4)

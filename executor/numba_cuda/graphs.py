@@ -2,9 +2,11 @@
 a built backend.
 
 `DecodeGraphs(backend).decode` is a drop-in for `backend.decode`. The first round at a
-lane count runs the step eagerly once to record its buffers (the lanes' recurrent and
-conv state saved before and put back after, so the round is not applied twice), then
-captures the same launches on a private stream into a graph; each round at that lane
+lane count runs the step eagerly twice, on the process's pool (it compiles) and on the
+graphs' private pool (it fills it with every block the step takes), the lanes' recurrent
+and conv state saved before and put back after, so the round is not applied twice, then
+captures the same launches on a private stream into a graph, its buffers from the private
+pool (every lane count's graph shares its blocks: one step's buffers, not one per lane count); each round at that lane
 count copies its inputs into the graph's input buffers and replays the graph: about a
 microsecond per launch on the device instead of tens of host microseconds. The inputs go
 up as one copy from a pinned host array and the logits come back into a pinned host
@@ -52,7 +54,7 @@ import numpy as np
 from numba import cuda
 
 from executor.numba_cuda.attention_flash import BLOCK_KEYS
-from executor.numba_cuda.device import DevicePool, StepBuffers, to_device, using_pool
+from executor.numba_cuda.device import DevicePool, to_device, using_pool
 
 try:
     from cuda.bindings import driver as _driver
@@ -85,7 +87,6 @@ class _Graph:
     logits: object
     host_inputs: np.ndarray
     host_logits: np.ndarray
-    buffers: StepBuffers
     graph: object
     executable: object
 
@@ -99,6 +100,12 @@ class DecodeGraphs:
         self.backend = backend
         self.stream = cuda.stream()
         self._graphs: dict[int, _Graph] = {}
+        self.pool = DevicePool(1 << 62, release_on_oom=False)
+        """The captured steps' buffers: every lane count's graph takes its blocks from here
+        and gives them back after its capture (the logits buffer excepted), so they share
+        them (they replay one at a time on `stream`) and hold about the largest step's live
+        buffers, not the sum over lane counts (a recorded-buffers scheme held 17.4 GiB for
+        16 lane counts at 27B and 32768 rows: bench/RESULTS.md, session 15)."""
 
     def decode(self, states: Sequence, token_ids: Sequence[int]) -> np.ndarray:
         """`Backend.decode` through the captured step of this lane count."""
@@ -142,15 +149,18 @@ class DecodeGraphs:
         max_pos = backend.pool.capacity_rows - 1
         cuda.synchronize()
         saved = [backend.pool.pack(int(slot), 0) for slot in slots]
-        buffers = StepBuffers()
-        with buffers.recording():
+        # once on the process's pool (compiles), once on the private pool (fills it with every
+        # block the step takes), then the lanes' states put back and the same launches captured
+        backend.decode_step(*inputs, max_pos, stream)
+        with using_pool(self.pool):
             backend.decode_step(*inputs, max_pos, stream)
         stream.synchronize()
         for slot, data in zip(slots, saved):
             backend.pool.unpack(data, int(slot), 0)
         cuda.synchronize()
+        misses = self.pool.misses
         handle = _cu_stream(stream)
-        with cuda.defer_cleanup(), buffers.replaying():
+        with cuda.defer_cleanup(), using_pool(self.pool):
             _checked(_driver.cuStreamBeginCapture(handle, _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
             try:
                 logits = backend.decode_step(*inputs, max_pos, stream)
@@ -158,11 +168,14 @@ class DecodeGraphs:
                 _driver.cuStreamEndCapture(handle)
                 raise
             graph = _checked(_driver.cuStreamEndCapture(handle))
+        if self.pool.misses != misses:
+            raise RuntimeError(f"the captured decode step of {lanes} lanes allocated {self.pool.misses - misses} "
+                               "new blocks during capture")
         executable = _checked(_driver.cuGraphInstantiate(graph, 0))
         _checked(_driver.cuGraphUpload(executable, handle))  # else the first round pays the upload
         stream.synchronize()
         return _Graph(packed, row_start, logits, cuda.pinned_array((3, lanes), np.int32),
-                      cuda.pinned_array(tuple(logits.shape), np.float32), buffers, graph, executable)
+                      cuda.pinned_array(tuple(logits.shape), np.float32), graph, executable)
 
     def replay_seconds(self, lanes: int, repeat: int = 10) -> float:
         """Device seconds per replay of the captured step for `lanes` lanes, replayed
@@ -178,11 +191,12 @@ class DecodeGraphs:
         return start.elapsed_time(stop) / 1e3 / repeat
 
     def close(self) -> None:
-        """Destroy the captured graphs (their buffers go with them)."""
+        """Destroy the captured graphs and free their private pool."""
         for graph in self._graphs.values():
             _driver.cuGraphExecDestroy(graph.executable)
             _driver.cuGraphDestroy(graph.graph)
         self._graphs.clear()
+        self.pool.release()
 
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)

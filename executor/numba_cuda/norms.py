@@ -108,12 +108,26 @@ bits depend on this count, so it must not follow the rows): thousands of rows fi
 anyway, and a 1024-thread block spends its time in the ten-level reduction tree."""
 
 
+NORM_UNROLL = 4
+"""Elements a thread of `add_rms_norm` loads at once by default. A prefill row is one
+256-thread block (27B: 20 elements a thread), and a short chunk is a block or two per SM,
+so each round of loads is a memory latency. CUPTI, 27B width (bench/RESULTS.md, session
+15): 51 rows 12.5 us a call one at a time, 10.2 four at a time, 10.5 all 20; 8192 rows
+252, 206 and 255 us (more at once costs occupancy)."""
+MAX_UNROLL = 32
+"""Most elements a thread of `add_rms_norm` may load at once."""
+
+
 @functools.cache
-def _add_rms_norm_kernel_for(threads: int):
+def _add_rms_norm_kernel_for(threads: int, unroll: int):
     """The fused residual add + RMSNorm with `threads` threads per row (a fixed-order
-    shared-memory tree over them)."""
+    shared-memory tree over them). Each thread sums its elements t, t + threads, ... in
+    that order whatever `unroll` is: it loads them `unroll` at a time (every load of a group
+    in flight together; an element past the row is neither read nor summed), then adds them
+    in order, so `unroll` changes no bit."""
 
     wide_sum = tree_sum(threads)
+    span = threads * unroll
 
     @fast
     @cuda.jit
@@ -123,36 +137,49 @@ def _add_rms_norm_kernel_for(threads: int):
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
         dim = x.shape[1]
-        # Two passes, the store in the second: a store to x inside the first loop would keep
-        # the next element's loads behind it (x and delta may alias), one memory latency per
-        # element (27B at 51 rows: 16 us a call). The second pass recomputes x + delta from
-        # the same operands: the same bits as storing it in the first.
         buf = cuda.shared.array(threads, np.float32)
+        group = cuda.local.array(unroll, np.float32)
         ssq = _F32(0.0)
-        for i in range(t, dim, threads):
-            v = x[row, i]
+        for base in range(t, dim, span):
+            for u in range(unroll):  # every load of the group first (x and delta may alias)
+                i = base + u * threads
+                if i < dim:
+                    group[u] = x[row, i]
             if has_delta:
-                v = v + delta[row, i]
-            ssq += v * v
+                for u in range(unroll):
+                    i = base + u * threads
+                    if i < dim:
+                        group[u] = group[u] + delta[row, i]
+                for u in range(unroll):
+                    i = base + u * threads
+                    if i < dim:
+                        x[row, i] = group[u]
+            for u in range(unroll):
+                if base + u * threads < dim:
+                    ssq += group[u] * group[u]
         total = wide_sum(buf, ssq)
         inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
-        for i in range(t, dim, threads):
-            v = x[row, i]
-            if has_delta:
-                v = v + delta[row, i]
-                x[row, i] = v
-            normed = v * inv
-            out[row, i] = f32_to_bf16(normed * (_F32(1.0) + weight[i]))
+        for base in range(t, dim, span):
+            for u in range(unroll):
+                i = base + u * threads
+                if i < dim:
+                    group[u] = x[row, i]
+            for u in range(unroll):
+                i = base + u * threads
+                if i < dim:
+                    out[row, i] = f32_to_bf16(group[u] * inv * (_F32(1.0) + weight[i]))
 
     return _add_rms_norm_kernel
 
 
-def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads: int = NORM_THREADS):
+def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads: int = NORM_THREADS,
+                 unroll: int = NORM_UNROLL):
     """x += delta (when given, in place), then out = bf16(rms_norm(x, weight, eps)).
 
     x: f32 device [rows, dim] (rows may be a row slice); delta: f32 [rows, dim] or None;
     weight: f32 [dim]; threads: per row, a power of two up to 1024 (NORM_THREADS for decode,
     PREFILL_NORM_THREADS for prefill: a row's bits depend on it, never on the rows);
+    unroll: elements a thread loads at once (NORM_UNROLL; no bit depends on it);
     returns out: uint16 (bf16 bits) [rows, dim].
     Twin: ops.rms_norm(x + delta, weight, eps).
     """
@@ -163,6 +190,8 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads:
         raise ValueError(f"weight has {weight.shape[0]} entries, x has {dim} columns")
     if threads not in (32, 64, 128, 256, 512, 1024):
         raise ValueError(f"threads must be a power of two in [32, 1024], got {threads}")
+    if not 1 <= unroll <= MAX_UNROLL:
+        raise ValueError(f"unroll must be in [1, {MAX_UNROLL}], got {unroll}")
     if delta is not None:
         check("delta", delta, np.float32, 2)
         if tuple(delta.shape) != tuple(x.shape):
@@ -170,8 +199,8 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads:
     out = empty((rows, dim), np.uint16, stream) if out is None else out
     if rows:
         has = 1 if delta is not None else 0
-        _add_rms_norm_kernel_for(threads)[rows, threads, stream](x, x if delta is None else delta, has, weight, eps,
-                                                                out)
+        kernel = _add_rms_norm_kernel_for(threads, unroll)
+        kernel[rows, threads, stream](x, x if delta is None else delta, has, weight, eps, out)
     return out
 
 

@@ -24,7 +24,7 @@ from numba import cuda
 
 from executor.config import Qwen35Config
 from executor.numba_cuda.attention_mm import padded
-from executor.numba_cuda.device import THREADS, blocks, empty, using_pool, zeros
+from executor.numba_cuda.device import THREADS, blocks, empty, lasting, using_pool, zeros
 from executor.numba_cuda.launch import fast
 
 
@@ -171,8 +171,8 @@ class StatePool:
         self.recurrent = zeros((lin, slots, vh, kd, vd), np.float32)
         self.conv = zeros((lin, slots, c.linear_conv_kernel_dim - 1, c.conv_channels), np.uint16)
         kv_shape = (full, slots, padded(capacity_rows), c.num_key_value_heads, c.head_dim)
-        self.keys = empty(kv_shape, np.uint16)
-        self.values = empty(kv_shape, np.uint16)
+        self.keys = lasting(kv_shape, np.uint16)  # exact bytes: a pool block would round 18 GiB up to 20
+        self.values = lasting(kv_shape, np.uint16)
         for array in (self.keys, self.values):
             for layer in range(full):
                 flat = array[layer].reshape(array[layer].size)

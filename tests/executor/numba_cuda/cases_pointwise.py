@@ -43,6 +43,36 @@ def test_add_rms_norm(with_delta, threads):
     assert_close("add_rms_norm", ops.rms_norm(summed, weight, 1e-6), as_f32(out), BF16_TOL, rel=True)
 
 
+@pytest.mark.parametrize("with_delta", [False, True], ids=["plain", "residual"])
+def test_add_rms_norm_unroll_changes_no_bit(with_delta):
+    """32 threads, dim 328: a thread has 10 or 11 elements (328 = 10 x 32 + 8), loaded 1, 3 or
+    4 at a time (the last group partly past the row; 4 is the default) or all at once.
+    Every output bit and the updated residual equal unroll 1's (and the twin)."""
+    r = rng()
+    x = r.normal(size=(4, 328)).astype(np.float32)
+    delta = r.normal(size=(4, 328)).astype(np.float32)
+    weight = r.normal(0, 0.1, 328).astype(np.float32)
+    outs, residuals = [], []
+    for unroll in (1, 3, 4, 11):
+        dx = to_device(x)
+        with poisoned():
+            out = host(norms.add_rms_norm(dx, to_device(weight), 1e-6, delta=to_device(delta) if with_delta else None,
+                                          threads=32, unroll=unroll))
+        outs.append(out)
+        residuals.append(dx.copy_to_host())
+    summed = x + delta if with_delta else x
+    for out, residual in zip(outs, residuals):
+        np.testing.assert_array_equal(out, outs[0])
+        np.testing.assert_array_equal(residual, summed)
+    assert_close("add_rms_norm", ops.rms_norm(summed, weight, 1e-6), as_f32(outs[0]), BF16_TOL, rel=True)
+
+
+def test_add_rms_norm_rejects_unroll_0():
+    with pytest.raises(ValueError, match="unroll"):
+        norms.add_rms_norm(to_device(np.zeros((1, 32), np.float32)), to_device(np.zeros(32, np.float32)), 1e-6,
+                           threads=32, unroll=0)
+
+
 @pytest.mark.parametrize("rows,heads,dim", [(2, 3, 16), (5, 3, 128)])
 def test_gated_rms_norm_reads_a_column_slice(rows, heads, dim):
     """One warp per (row, head): dims below and above the 32 lanes, and a last block with

@@ -121,3 +121,26 @@ def test_an_allocation_failure_runs_the_on_oom_hooks_before_the_retry(fake_drive
     with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
         strict.array((64,), np.dtype(np.float32))
     assert order == [("hook", 0)]
+
+
+def test_live_and_peak_bytes_count_blocks_in_use_by_size_class(fake_driver):
+    """live_bytes: the blocks handed out and not given back, in size-class bytes (a 1000-byte
+    array takes a 1024-byte block); peak_bytes: their most since reset_peak. A cache hit
+    counts as a miss does, and a block past the cache limit (retired) leaves live too."""
+    pool = device.DevicePool(limit_bytes=1536)
+    u8 = np.dtype(np.uint8)
+    a = pool.array((1000,), u8)
+    b = pool.array((2000,), u8)  # 2048-byte block
+    assert (pool.live_bytes, pool.peak_bytes) == (3072, 3072)
+    del a
+    assert (pool.live_bytes, pool.peak_bytes, pool.cached_bytes) == (2048, 3072, 1024)
+    pool.reset_peak()
+    assert pool.peak_bytes == 2048
+    c = pool.array((1024,), u8)  # the cached 1024-byte block
+    assert (pool.live_bytes, pool.peak_bytes, pool.hits) == (3072, 3072, 1)
+    del b  # 1024 cached + 2048 > 1536: retired
+    assert (pool.live_bytes, pool.cached_bytes, len(pool._retired)) == (1024, 0, 1)
+    del c
+    pool.release()
+    assert (pool.live_bytes, pool.peak_bytes) == (0, 3072)
+    assert sorted(fake_driver.freed) == sorted(fake_driver.allocated)

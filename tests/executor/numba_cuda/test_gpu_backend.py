@@ -503,6 +503,24 @@ def test_decode_graphs_equal_eager(models, lanes):
     assert _same(eager_states, replayed_states)
 
 
+def test_decode_graphs_of_two_lane_counts_share_a_pool_and_stay_exact(models):
+    """Seven lanes in rounds of 3, 3 and 1: graphs of two lane counts replayed in turn, their
+    buffers from one private pool (blocks one graph's capture gave back, the other's took),
+    give the eager rounds' logits and states bit for bit."""
+    _, gpu = models
+    prompts = [_prompt(gpu.config, 25 + 19 * i, 700 + i) for i in range(7)]
+    eager, eager_states = _decode_lanes(gpu, prompts, 3, with_states=True)
+    graphs = DecodeGraphs(gpu)
+    try:
+        replayed, replayed_states = _decode_lanes(gpu, prompts, 3, decode=graphs.decode, with_states=True)
+        assert set(graphs._graphs) == {1, 3}
+        assert graphs.pool.hits > 0 and graphs.pool.cached_bytes > 0  # blocks given back and taken again
+    finally:
+        graphs.close()
+    np.testing.assert_array_equal(eager, replayed)
+    assert _same(eager_states, replayed_states)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_decode_logits_are_one_read_only_copy(models, graphs):
     """A round's host logits come back read-only and each state keeps a view of its row

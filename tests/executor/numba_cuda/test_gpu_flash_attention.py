@@ -90,6 +90,25 @@ def test_flash_bits_do_not_depend_on_warps_per_cta(heads, kv_heads):
     np.testing.assert_array_equal(_run(q, qg, kc, vc, 0, 100), runs[-1])
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,start,rows", [(24, 4, 256, 1984, 51), (16, 4, 256, 100, 301),
+                                                               (8, 2, 128, 37, 200), (4, 2, 16, 0, 70)])
+def test_flash_bits_do_not_depend_on_the_ring_depth(heads, kv_heads, head_dim, start, rows):
+    """Every (warps, stages) variant at head_dim gives every row the bits of the two-buffer
+    kernel (stages 1); the 27B's off-grid continuation chunk (51 rows at 1984: 64 blocks,
+    more than any ring) among them, and blocks fewer than a ring's depth (70 rows at 0)."""
+    r = rng()
+    _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=2048, slots=1)
+    q, qg = _inputs(r, rows, heads, head_dim)
+    variants = sorted((w, st) for d, w, st in attention_flash.VARIANTS if d == head_dim)
+    assert any(st > 1 for _, st in variants)
+    with poisoned():
+        runs = {(w, st): host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, warps=w,
+                                                      stages=st)) for w, st in variants}
+    first = runs[variants[0]]
+    for key, run in runs.items():
+        assert np.array_equal(run, first), f"warps, stages = {key}"
+
+
 def test_flash_at_a_capacity_of_exactly_the_blocks_it_reads():
     """Keys [0, start + rows) in a cache of ceil32(start + rows) rows, the next slot NaN:
     nothing past the slot is read (the bits equal those in a roomier cache)."""
@@ -132,6 +151,8 @@ def test_flash_rejects_bad_shapes_and_leaves_other_slots():
         attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 1, 252)
     with pytest.raises(ValueError, match="head_dim"):
         attention_flash.kernel(24)
+    with pytest.raises(ValueError, match="stages"):
+        attention_flash.kernel(256, 4, 5)
     assert attention_flash.unavailable(256) is None and "head_dim 48" in attention_flash.unavailable(48)
 
 
