@@ -49,7 +49,8 @@ class Backend(Protocol):
         over every row; t in [a, b) runs its q/attention/gate/o_proj/MLP over rows [t, b)
         only (K/V over all); t == b skips them and the LM head (want_logits must be False).
         A backend may ignore it: the tail changes no bit of the logits it returns.
-        Returns the float32 logits [vocab] of row b - 1 when want_logits, else None.
+        Returns the float32 logits [vocab] of row b - 1 when want_logits, else None (possibly
+        read-only, shared with the state: the caller must not write into it).
         Raises ValueError naming the argument when rows or the state disagree.
         """
 
@@ -101,11 +102,29 @@ def shared_segments(base: Any, rows: int) -> tuple[tuple, int]:
     return tuple(base.segments), int(base.rows)
 
 
+def immutable(array: np.ndarray) -> bool:
+    """True when nothing can change `array`'s values and it holds no more memory than its
+    own: read-only, and either owning its data or a view of a read-only array of as many
+    bytes (numba's `copy_to_host` gives a view of a uint8 buffer; a read-only view of one lane of a 16-lane round is not: a payload keeping it would
+    keep the whole round alive)."""
+    if array.flags.writeable:
+        return False
+    base = array.base
+    if base is None:
+        return True
+    return isinstance(base, np.ndarray) and not base.flags.writeable and base.nbytes == array.nbytes
+
+
 def frozen_logits(logits: np.ndarray | None) -> np.ndarray | None:
-    """A read-only copy of a state's last-row logits (None stays None)."""
+    """A read-only copy of a state's last-row logits (None stays None); an `immutable` f32
+    array is shared, not copied (the GPU backend's prefill logits: 1 MB at Qwen3.5's
+    vocabulary, copied up to four times a first-token step before; bench/RESULTS.md,
+    session 15)."""
     if logits is None:
         return None
-    out = logits.copy()
+    if logits.dtype == np.float32 and immutable(logits):
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
     out.flags.writeable = False
     return out
 

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from executor.backend import Backend
+from executor.backend import Backend, frozen_logits
 from executor.config import Qwen35Config
 from policy.shape import ModelShape
 
@@ -86,8 +86,4 @@ def release(backend: Backend, state: Any) -> None:
 
 
 def _frozen(logits: np.ndarray | None) -> np.ndarray | None:
-    if logits is None:
-        return None
-    kept = np.array(logits, dtype=np.float32, copy=True)
-    kept.flags.writeable = False
-    return kept
+    return frozen_logits(logits)

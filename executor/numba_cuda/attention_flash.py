@@ -41,8 +41,8 @@ the H200 4 warps were 5-10% faster for short chunks (27B 51 rows at 1984: 265 vs
 layer) and 8 warps 4% faster for long ones (9B 8192 rows: 3.21 vs 3.35 ms); RESULTS.md,
 session 8."""
 VARIANTS = {(16, 4, 1), (32, 4, 1), (64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 1, 1), (256, 2, 1), (256, 4, 1),
-            (256, 8, 1), (16, 4, 3), (32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 4, 2), (256, 4, 3),
-            (256, 4, 4), (256, 8, 2), (256, 8, 3), (256, 8, 4)}
+            (256, 8, 1), (16, 4, 3), (32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 1, 3), (256, 2, 3),
+            (256, 4, 2), (256, 4, 3), (256, 4, 4), (256, 8, 2), (256, 8, 3), (256, 8, 4)}
 """(head_dim, warps, stages) triples flash_attention.cu instantiates. stages 1: one K and one
 V block buffer in static shared memory (three barriers a block); stages >= 2: a ring of
 `stages` (K, V) block pairs in dynamic shared memory, the next blocks' copies in flight

@@ -446,7 +446,9 @@ class NumbaCudaBackend:
                 tail_from: int | None = None) -> np.ndarray | None:
         """See `Backend.prefill`. tail_from: absolute first row of the last layer's tail
         (a <= tail_from < b when logits are read, tail_from == b to skip q/o/MLP); None
-        means the full last layer, or the empty tail when want_logits is False."""
+        means the full last layer, or the empty tail when want_logits is False. The logits
+        come back read-only, shared with the state (a keep of it then shares them too:
+        `frozen_logits`)."""
         start, end = rows
         if state.released:
             raise ValueError("state was released")
@@ -481,8 +483,14 @@ class NumbaCudaBackend:
             )
             logits = None if logits is None else logits.copy_to_host()
         state.rows = end
-        state.logits = None if logits is None else logits[0]
-        return None if logits is None else logits[0].copy()
+        if logits is None:
+            state.logits = None
+            return None
+        logits.flags.writeable = False  # [1, vocab], this call's own: the state and the caller share it
+        if logits.base is not None:
+            logits.base.flags.writeable = False
+        state.logits = logits[0]
+        return state.logits
 
     def prefill_step(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, stream=0,
                      slot: int | None = None):
@@ -625,7 +633,7 @@ class NumbaCudaBackend:
         for segment in payload.segments:
             self.pool.unpack_rows(segment, state.slot)
         state.rows = payload.rows
-        state.logits = None if payload.logits is None else payload.logits.copy()
+        state.logits = frozen_logits(payload.logits)  # read-only already: shared, not copied
         return state
 
     def ghost(self, payload: DevicePayload) -> DevicePayload:

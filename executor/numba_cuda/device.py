@@ -2,8 +2,9 @@
 
 Every buffer a kernel writes is allocated by `empty`, so tests can poison new buffers
 (`poisoned()`: NaN for floats, a bf16 NaN pattern for uint16, -1 for ints) and catch
-outputs a kernel never wrote, and so a CUDA graph capture can replay one step's buffers
-(`StepBuffers`). bf16 values live in uint16 arrays (their bit pattern), as in
+outputs a kernel never wrote, and so a CUDA graph capture takes one step's buffers from a
+private pool (`using_pool`). Arrays that live as long as the backend (weights, the state
+pool) come from `lasting`, in their exact sizes. bf16 values live in uint16 arrays (their bit pattern), as in
 `executor/safetensors_file.py`. Nothing here computes model math.
 
 On a GPU the backend's arrays are `LeanArray`s (pointer, shape, strides, dtype): `empty`

@@ -521,6 +521,23 @@ def test_decode_graphs_of_two_lane_counts_share_a_pool_and_stay_exact(models):
     assert _same(eager_states, replayed_states)
 
 
+def test_prefill_logits_are_read_only_and_keeps_and_restores_share_them(models):
+    """A prefill's logits come back read-only, the state's own; a snapshot and its restore
+    share that array instead of copying it (executor.backend.frozen_logits)."""
+    _, gpu = models
+    state = gpu.new_state()
+    try:
+        logits = gpu.prefill(state, _prompt(gpu.config, 40, 900), (0, 40))
+        assert not logits.flags.writeable and np.shares_memory(logits, state.logits)
+        kept = gpu.snapshot(state)
+        assert kept.logits is state.logits
+        restored = gpu.restore(kept)
+        assert restored.logits is kept.logits
+        gpu.release(restored)
+    finally:
+        gpu.release(state)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_decode_logits_are_one_read_only_copy(models, graphs):
     """A round's host logits come back read-only and each state keeps a view of its row
