@@ -21,7 +21,9 @@ exchange pickled tuples over one `multiprocessing` pipe:
 Each event goes straight into an outbox (`Runtime.submit(job, sink=...)`: no queue or task
 per request), and the outbox leaves as one "events" message right after each step's
 commit (`Runtime.after_commit`), before the next step starts: the engine's loop does no
-per-token work while a step's host work runs (one GIL per process here too). `EngineClient` offers the
+per-token work while a step's host work runs (one GIL per process here too). The one
+exception is a first token that the worker publishes before the rest of its step (the
+chunk's keep, a decode round: `Stepper.publish`): it leaves at once, in a message of its own. `EngineClient` offers the
 interface `executor.server.Api` uses (`enqueue`, `cancel`, `render_metrics`,
 `count_invalid`, `vocab_size`, `lanes_busy`, `waiting`, `broken`, `close`), so the API
 code is the same for both placements. The engine exits when the API process closes the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +110,12 @@ class Handle:
 
 BACKGROUND_BUDGET_S = 0.001
 """Seconds of deferred work (`Runtime.defer`) the loop runs per step, past the first item."""
+PUBLISH_WAIT_S = 0.002
+"""Seconds the worker waits, after publishing first tokens early (`Stepper.publish`), for
+the loop thread to hand them on before it goes on with its step. Both threads share the
+GIL: without the wait the loop thread would get it only when the worker next blocks, which
+on the 27B server was the step's end (the first token then gained nothing: bench/RESULTS.md,
+session 16)."""
 
 
 class Runtime:
@@ -159,7 +166,8 @@ class Runtime:
         self.after_commit: Callable[[], None] | None = None
         """Called in the loop thread after each step's commit has delivered its events and
         before the next step starts (the engine process sends the step's tokens here, so
-        that no event work runs while the next step's host work holds the GIL)."""
+        that no event work runs while the next step's host work holds the GIL), and after
+        first tokens a step published early (`Stepper.publish`), while the worker waits."""
 
     # --- public, loop thread only -------------------------------------------------------
     def now(self) -> float:
@@ -168,7 +176,22 @@ class Runtime:
 
     async def start(self) -> None:
         """Start the driver task on the running loop."""
-        self._task = asyncio.get_running_loop().create_task(self._drive(), name="warmstate-runtime")
+        loop = asyncio.get_running_loop()
+
+        def publish(tokens: list) -> None:  # worker thread
+            handed = threading.Event()
+
+            def hand_on() -> None:  # loop thread
+                self._deliver_tokens(tokens)
+                if self.after_commit is not None:  # the engine process sends them now
+                    self.after_commit()
+                handed.set()
+
+            loop.call_soon_threadsafe(hand_on)
+            handed.wait(PUBLISH_WAIT_S)
+
+        self._stepper.publish = publish
+        self._task = loop.create_task(self._drive(), name="warmstate-runtime")
 
     async def close(self) -> None:
         """Cancel every request, let the step in flight finish, stop the worker."""
@@ -365,13 +388,20 @@ class Runtime:
         for live in out.ended:
             self._attach_continuation(live)
         effects = self.scheduler.commit(step, self.now(), frozenset(out.stopped))
-        for live, token, text in out.tokens:
-            live.handle.queue.put_nowait(Tokens((token,), text))
+        self._deliver_tokens(out.tokens[out.published :])
         for live in failed:
             self._deliver_done(live, "error", 0, f"backend error: {out.error!r}")
         self._apply(effects, out.snapshot)
         if self.after_commit is not None:
             self.after_commit()
+
+    def _deliver_tokens(self, tokens: list[tuple[Live, int, str]]) -> None:
+        """Queue each (request, token, text) on its handle (loop thread): at the commit, or
+        earlier for first tokens the worker published while its step ran on
+        (`Stepper.publish`; call_soon_threadsafe keeps them ahead of that step's commit)."""
+        for live, token, text in tokens:
+            if not live.handle.done:
+                live.handle.queue.put_nowait(Tokens((token,), text))
 
     def _trace_step(self, plan: Plan, out: Outcome, ran_s: float) -> None:
         """One line in the step file (`steps`; JSON with kind "step", on the trace's clock):
@@ -380,7 +410,9 @@ class Runtime:
         host seconds per phase (`Outcome.phases`: restore, forward, keep, decode, sample,
         release; a GPU backend's forward includes its device time only where it waits for
         it), with what the step ran: prefill rows and start, restored lanes, decode lanes,
-        and for a chunk with a keep the bytes its copy moved (keep_bytes, `KeepCopy.bytes`).
+        and for a chunk with a keep the bytes its copy moved (keep_bytes, `KeepCopy.bytes`);
+        published_s: seconds into the step when its first tokens went out early
+        (`Stepper.publish`), when they did.
         bench/fidelity_report.py splits server against simulator time with them."""
         run = plan.step.prefill
         record = {"kind": "step", "t": round(self.now(), 6), "ran_s": round(ran_s, 6),
@@ -390,6 +422,8 @@ class Runtime:
                   "restores": len(plan.restores), "decode": len(plan.decodes)}
         if run is not None and run.keep_copy is not None:
             record["keep_bytes"] = run.keep_copy.bytes(self.backend.config.shape)
+        if out.published_s is not None:
+            record["published_s"] = round(out.published_s, 6)
         self._steps.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def _attach_continuation(self, live: Live) -> None:

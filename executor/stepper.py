@@ -105,6 +105,11 @@ class Outcome:
     states: dict[int, Any] = attrs.field(factory=dict)
     snapshot: payloads.Payload | None = None
     tokens: list[tuple[Live, int, str]] = attrs.field(factory=list)
+    published: int = 0
+    """How many of `tokens` (a prefix) went to `Stepper.publish` while the step ran; the
+    runtime's commit delivers the rest."""
+    published_s: float | None = None
+    """Seconds from the step's start to its last early publish (None: none)."""
     stopped: set[int] = attrs.field(factory=set)
     ended: list[Live] = attrs.field(factory=list)
     error: BaseException | None = None
@@ -121,11 +126,20 @@ class Stepper:
     """Runs plans on `backend` (one at a time, in the worker thread).
 
     rows_s: measured seconds per prefill row (chunks of 16+ rows), the eviction value rate.
+    publish: called from the worker thread with the first tokens taken so far, as soon as
+    each is taken, when the step has more work after it (the chunk's keep, more restores,
+    the prefill, a decode round): the runtime hands them to their clients without waiting
+    for the rest of the step (thread-safe; None: every token waits for the commit). A
+    27B first-token step's keep is ~1.8 ms of host time (bench/RESULTS.md, session 15)
+    that the first token no longer waits for. The first token is the same either way:
+    it is sampled from the chunk's logits, which the keep only copies.
     """
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.rows_s = 1e-4
+        self.publish: Callable[[list[tuple[Live, int, str]]], None] | None = None
+        self._t0 = 0.0
         self._takes_tail = ("tail_from" in inspect.signature(backend.prefill).parameters
                             and backend.config.layer_types[-1] == FULL)
 
@@ -135,17 +149,19 @@ class Stepper:
         leaves `Outcome.snapshot` None: the step and its requests go on, and the runtime
         hands the keep back to the scheduler (`Scheduler.unkeep`)."""
         out = Outcome()
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         try:
             if plan.releases:
                 for state in plan.releases:
                     payloads.release(self.backend, state)
                 self._lap(out, "release", t0)
-            for stream, entry, live in plan.restores:
+            for i, (stream, entry, live) in enumerate(plan.restores):
                 t = time.perf_counter()
                 out.states[stream] = payloads.restore(self.backend, entry.payload)
                 self._lap(out, "restore", t)
                 self._first_token(stream, live, entry.payload.logits, out)
+                more = i + 1 < len(plan.restores) or plan.step.prefill is not None or bool(plan.decodes)
+                self._publish(out, more)
             if plan.step.prefill is not None:
                 self._prefill(plan, out)
             self._decode(plan, out)
@@ -179,16 +195,18 @@ class Stepper:
         logits = self.backend.prefill(state, plan.prefill_ids, (run.chunk.start, run.chunk.end),
                                       want_logits=run.chunk.reads_logits, **tail)
         self._lap(out, "forward", t)
-        if run.keep is not None and (run.keep_copy is None or run.keep_copy.copy is not Copy.NOTHING):
+        keeps = run.keep is not None and (run.keep_copy is None or run.keep_copy.copy is not Copy.NOTHING)
+        live = plan.prefill_live
+        if live is not None and run.chunk.reads_logits and live.job.max_tokens > 0:
+            self._first_token(run.stream, live, logits, out)  # before the keep, which only copies
+            self._publish(out, keeps or bool(plan.decodes))
+        if keeps:
             t = time.perf_counter()
             try:
                 out.snapshot = self._keep(run, state, logits if run.keep.with_logits else None)
             except Exception as exc:  # noqa: BLE001 - out of device memory, say: keep nothing, serve on
                 log.warning("keep_failed", row=run.keep.row, error=repr(exc))
             self._lap(out, "keep", t)
-        live = plan.prefill_live
-        if live is not None and run.chunk.reads_logits and live.job.max_tokens > 0:
-            self._first_token(run.stream, live, logits, out)
 
     def _keep(self, run: ChunkRun, state: Any, logits: np.ndarray | None) -> payloads.Payload | None:
         """The payload the chunk's keep makes, copying what its `KeepCopy` says (the caller
@@ -237,6 +255,13 @@ class Stepper:
         self._lap(out, "sample", t)
         if live.stop_seen:  # the scheduler finishes it with "stop" in this step's commit
             out.stopped.add(stream)
+
+    def _publish(self, out: Outcome, more: bool) -> None:
+        """Hand the tokens not yet published to `publish` when the step has `more` work."""
+        if more and self.publish is not None and len(out.tokens) > out.published:
+            self.publish(out.tokens[out.published :])
+            out.published = len(out.tokens)
+            out.published_s = time.perf_counter() - self._t0
 
     def _take(self, live: Live, token: int, out: Outcome) -> None:
         """Record one sampled token: the text it releases, and whether it ends the reply."""

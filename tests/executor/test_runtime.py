@@ -486,3 +486,37 @@ def test_kept_states_share_kv_rows_and_hold_what_the_store_counts(model, kind):
     hows = {e["how"] for e in events if e["kind"] == "state_evicted"}
     assert hows == {"ghost", "freed"}, hows
     assert not any(e["kind"] == "request_finished" and e["reason"] not in ("stop", "length") for e in events)
+
+
+def test_first_token_reaches_the_client_before_its_steps_keep(model, monkeypatch):
+    """A first token goes to its handle as soon as it is sampled (`Stepper.publish`), not at
+    the commit after the chunk's keep: the keep's snapshot here blocks until the token has
+    arrived (up to 10 s). The reply is the same as with the token held back: every token
+    once, in order, and the keep still happens (a second identical request is a full hit)."""
+    import threading
+
+    _, tok, _ = model
+    arrived, waited = threading.Event(), []
+    inner = Scripted.snapshot
+    end = len(_job(tok).prompt_ids)
+
+    def blocking_snapshot(self, state, base=None):
+        if state.rows == end and not waited:  # the keep at the prompt's end: the first token's step
+            waited.append(arrived.wait(10.0))
+        return inner(self, state, base)
+
+    monkeypatch.setattr(Scripted, "snapshot", blocking_snapshot)
+
+    async def jobs(runtime, trace):
+        handle = runtime.submit(_job(tok, max_tokens=3))
+        first = await handle.queue.get()
+        arrived.set()
+        events, done = await _collect(handle)
+        again = await _collect(runtime.submit(_job(tok, max_tokens=3)))
+        return [first, *events], done, again[1]
+
+    (events, done, again), trace = _run_jobs(model, _ids(tok, "hey there friend"), jobs)
+    assert waited == [True]  # the prompt end's keep saw the token delivered while it ran
+    assert [t for e in events for t in e.token_ids] == list(done.token_ids) == _ids(tok, "hey there friend")[:3]
+    assert "".join(e.text for e in events) == done.text
+    assert again.cached_tokens == again.prompt_tokens and again.token_ids == done.token_ids
