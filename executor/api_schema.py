@@ -20,7 +20,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
 _IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls")
 _SAMPLING_KEYS = (
-    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+    "stream",
     "stream_options", "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos", "return_token_ids",
 )
 CHAT_KEYS = frozenset(
@@ -49,7 +50,8 @@ class Sampling:
     """Generation knobs of one request.
 
     max_tokens: None (as many as the context allows) or >= 0 (0: prefill only).
-    temperature >= 0 (0: greedy), top_p in (0, 1], seed: None (draw one) or an int,
+    temperature >= 0 (0: greedy), top_p in (0, 1], top_k >= 0 (0: no limit; vLLM's extra
+    parameter, whose -1 also means none), min_p in [0, 1] (vLLM's), seed: None (draw one) or an int,
     stop: stop strings, stream / include_usage: SSE output, ignore_eos: do not stop at
     EOS, return_token_ids: add token ids to the response.
     """
@@ -58,6 +60,8 @@ class Sampling:
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -87,7 +91,8 @@ class CompletionCall:
 
 def decode_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; ApiError (400) for bad UTF-8, bad JSON, nesting
-    deeper than the interpreter's recursion limit (~1000 levels), lone surrogates."""
+    deeper than the interpreter's recursion limit (~1000 levels), an integer longer than
+    Python converts (4,300 digits by default), lone surrogates."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -101,6 +106,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # json and the string check recurse once per nesting level
         raise ApiError("request body is nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than int() converts (sys.get_int_max_str_digits)
+        raise ApiError(f"request body is not valid JSON: {exc}") from None
     return body
 
 
@@ -179,6 +186,8 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int | None) -> Sampli
         raise _unsupported("n", f"only n=1 is supported, got {n}")
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
+    top_k = _int(body, "top_k", -1, 2**31 - 1)
+    min_p = _number(body, "min_p", 0.0, 1.0)
     seed = _int(body, "seed", -(2**63), 2**64 - 1)
     for key in ("frequency_penalty", "presence_penalty"):
         if _number(body, key, -2.0, 2.0):
@@ -221,6 +230,8 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int | None) -> Sampli
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if not top_p else top_p,
+        top_k=max(0, top_k or 0),
+        min_p=min_p or 0.0,
         seed=seed,
         stop=stops,
         stream=stream,

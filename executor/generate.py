@@ -1,6 +1,6 @@
 """Single-prompt generation (prefill, then decode until max_tokens or a stop token) and its
 CLI: `python -m executor.generate [--model DIR] --backend reference (--prompt TEXT |
---chat FILE.json | --prompt-ids 1,2,3) --max-tokens N [--temperature T --top-p P
+--chat FILE.json | --prompt-ids 1,2,3) --max-tokens N [--temperature T --top-p P --top-k K --min-p M
 --seed S] [--logprobs K] [--json]`. With no --model, the built-in tiny model.
 
 The server and the scheduler are elsewhere; this is the smallest end-to-end path.
@@ -104,6 +104,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--temperature", type=float, default=defaults.sampling.temperature)
     parser.add_argument("--top-p", type=float, default=defaults.sampling.top_p)
+    parser.add_argument("--top-k", type=int, default=defaults.sampling.top_k, help="0: no limit (default: %(default)s)")
+    parser.add_argument("--min-p", type=float, default=defaults.sampling.min_p, help="0: no limit (default: %(default)s)")
     parser.add_argument("--seed", type=int, help="sampling seed (default: drawn and reported)")
     parser.add_argument("--logprobs", type=int, default=defaults.sampling.logprobs)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -167,7 +169,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         request = GenerateRequest(
             prompt_ids=prompt_ids,
             max_tokens=args.max_tokens,
-            sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, logprobs=args.logprobs),
+            sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    min_p=args.min_p, logprobs=args.logprobs),
             seed=seed,
             stop_ids=stop,
         )

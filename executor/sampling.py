@@ -1,5 +1,5 @@
-"""Token selection from one row of logits: greedy, temperature and top-p sampling with a
-per-request seeded NumPy Generator, and top-k log-probabilities.
+"""Token selection from one row of logits: greedy, temperature, top-k, min-p and top-p
+sampling with a per-request seeded NumPy Generator, and top-k log-probabilities.
 
 The decode loop that calls these lives in `executor/generate.py`.
 """
@@ -22,6 +22,16 @@ def _check_top_p(instance, attribute, value: float) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {value}")
 
 
+def _check_top_k(instance, attribute, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"top_k must be >= 0 (0: off), got {value}")
+
+
+def _check_min_p(instance, attribute, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {value}")
+
+
 def _check_logprobs(instance, attribute, value: int) -> None:
     if value < 0:
         raise ValueError(f"logprobs must be >= 0, got {value}")
@@ -30,12 +40,17 @@ def _check_logprobs(instance, attribute, value: int) -> None:
 @attrs.frozen(slots=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 is greedy (argmax, lowest id on ties); otherwise
-    softmax(logits / temperature) restricted to the smallest top-p nucleus. `logprobs`
-    is the number of top (token_id, logprob) pairs reported per generated token."""
+    softmax(logits / temperature) restricted to the top_k most likely tokens (0: no limit),
+    then to those at least min_p times as likely as the most likely (0: no limit), then to
+    the smallest top-p nucleus of what is left: the order vLLM applies them in (Qwen3.5's
+    model card recommends top_k 20 with top_p 0.8 or 0.95). `logprobs` is the number of top
+    (token_id, logprob) pairs reported per generated token."""
 
     temperature: float = attrs.field(default=0.0, converter=float, validator=_check_temperature)
     top_p: float = attrs.field(default=1.0, converter=float, validator=_check_top_p)
     logprobs: int = attrs.field(default=0, converter=int, validator=_check_logprobs)
+    top_k: int = attrs.field(default=0, converter=int, validator=_check_top_k)
+    min_p: float = attrs.field(default=0.0, converter=float, validator=_check_min_p)
 
 
 def new_rng(seed: int) -> np.random.Generator:
@@ -63,11 +78,13 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     sort of the candidates of NUCLEUS_SPANS (a set of tokens above a probability is a
     prefix of the sorted order, ties included), not of the whole vocabulary.
     """
-    if params.temperature == 0.0:
+    if params.temperature == 0.0 or params.top_k == 1:
         return int(np.argmax(logits))
     scaled = np.asarray(logits, dtype=np.float64) / params.temperature
     probs = np.exp(scaled - scaled.max())
     u = rng.random()
+    if params.top_k or params.min_p:
+        return _sample_filtered(probs, params, u)
     if params.top_p >= 1.0:
         cumulative = np.cumsum(probs)
         return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), probs.size - 1))
@@ -86,6 +103,28 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         if keep <= order.size or span is None:  # (a sum in another order may fall short: widen)
             keep = min(keep, order.size)
             break
+    kept = cumulative[:keep] / cumulative[keep - 1]
+    choice = int(np.searchsorted(kept, u, side="right"))
+    return int(order[min(choice, keep - 1)])
+
+
+def _sample_filtered(probs: np.ndarray, params: SamplingParams, u: float) -> int:
+    """`sample` with a top_k or min_p limit: probs [vocab] float64, the softmax unnormalised
+    with its largest value exactly 1; u the token's one uniform draw. The candidates (the
+    top_k most likely, ties by lower id, then those with p >= min_p) are sorted by
+    probability, ties by lower id; the nucleus is the shortest head whose cumulative mass
+    reaches top_p of the candidates' mass, renormalised, and u picks in that order."""
+    candidates = np.flatnonzero(probs >= params.min_p) if params.min_p else np.arange(probs.size)
+    if params.top_k and params.top_k < candidates.size:
+        kth = np.partition(probs[candidates], candidates.size - params.top_k)[candidates.size - params.top_k]
+        candidates = candidates[probs[candidates] >= kth]  # ties at the k-th value: all of them, cut below
+    order = candidates[np.argsort(-probs[candidates], kind="stable")]  # candidates ascend: ties by id
+    if params.top_k:
+        order = order[: params.top_k]
+    cumulative = np.cumsum(probs[order])
+    keep = order.size
+    if params.top_p < 1.0:
+        keep = min(int(np.searchsorted(cumulative, params.top_p * cumulative[-1], side="left")) + 1, order.size)
     kept = cumulative[:keep] / cumulative[keep - 1]
     choice = int(np.searchsorted(kept, u, side="right"))
     return int(order[min(choice, keep - 1)])

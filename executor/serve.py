@@ -194,9 +194,12 @@ def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qw
     stage: called on the GPU with "weights", "state_pool", "decode_graphs" and
     "prefill_graphs" as each is done (bench/memory.py reads the device memory there).
 
-    Raises RuntimeError when `cuda` (or random weights) is asked for and cannot be loaded.
+    Raises RuntimeError when `cuda` (or random weights) is asked for and cannot be loaded,
+    and when cfg.context_rows exceeds the model's max_position_embeddings.
     """
     max_rows = config.max_position_embeddings
+    if cfg.context_rows is not None and cfg.context_rows > max_rows:
+        raise RuntimeError(f"--context {cfg.context_rows} exceeds the model's max_position_embeddings ({max_rows})")
     if kind in ("auto", "cuda"):
         try:
             from executor.numba_cuda.backend import NumbaCudaBackend
@@ -274,12 +277,17 @@ def warm_up(backend: Backend) -> None:
 
 
 def _git_commit() -> str | None:
+    """HEAD's full hash, with "+dirty" when tracked files differ from it; None outside git."""
+    here = Path(__file__).parent
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, check=False, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, check=False, capture_output=True, text=True,
+                             timeout=5)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, check=False,
+                                 capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    return (commit + ("+dirty" if changed.stdout.strip() else "")) or None
 
 
 def _write_meta(cfg: ServeConfig, model: str, backend: str, context_rows: int) -> None:

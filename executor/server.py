@@ -120,7 +120,8 @@ class Api:
             prompt_ids=rendered.token_ids,
             starts=rendered.starts,
             max_tokens=max_tokens,
-            sampling=SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p),
+            sampling=SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                    min_p=sampling.min_p),
             seed=seed % (1 << 64),
             stop=sampling.stop,
             stop_ids=frozenset() if sampling.ignore_eos else self.cfg.stop_ids,
@@ -324,9 +325,20 @@ class Api:
     # --- small routes ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models."""
-        return _json({"object": "list", "data": [{
-            "id": self.cfg.model_id, "object": "model", "created": self._created, "owned_by": "warmstate",
-            "max_model_len": self.cfg.context_rows}]})
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: the served model's card (`client.models.retrieve`); 404
+        with code model_not_found for any other id."""
+        name = request.match_info["model"]
+        if name != self.cfg.model_id:
+            raise ApiError(f"The model {name!r} does not exist; this server serves {self.cfg.model_id!r}",
+                           "model", status=404, code="model_not_found")
+        return _json(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.cfg.model_id, "object": "model", "created": self._created, "owned_by": "warmstate",
+                "max_model_len": self.cfg.context_rows}
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 while serving; 503 when the runtime failed, or when the engine
@@ -340,12 +352,15 @@ class Api:
         return _json({"status": "ok", "lanes_busy": self.runtime.lanes_busy, "waiting": self.runtime.waiting})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """GET /metrics: Prometheus text (503 when the engine process does not answer)."""
+        """GET /metrics: Prometheus text (503 when the engine process does not answer or is gone)."""
         try:
             body = await self.runtime.render_metrics()
         except TimeoutError:
             raise ApiError("the engine did not answer", status=503, type="server_error",
                            code="engine_unresponsive") from None
+        if not body and self.runtime.broken:  # the engine process died: its counters went with it
+            raise ApiError(f"no metrics: {self.runtime.broken}", status=503, type="server_error",
+                           code="runtime_failed")
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -383,6 +398,7 @@ def build_app(api: Api) -> web.Application:
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model}", api.model)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     return app

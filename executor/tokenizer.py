@@ -279,6 +279,19 @@ def splits_before(tokenizer: Tokenizer, marker: str) -> bool:
 
 BLOCK_CACHE_CHARS = 16 << 20
 """Characters of blocks a `BlockEncoder` remembers (about twice as many bytes with their ids)."""
+RELEASE_GIL_CHARS = 1 << 14
+"""Texts of more characters are tokenized through `encode_batch`, which releases the GIL
+(`encode` holds it): a 32 MB prompt took ~25 s to tokenize, and with `encode` the API
+process's event loop answered nothing meanwhile, /health included (a 3 MB text here: one
+1.2 s stall against 31 ms at worst with `encode_batch`; the ids are the same)."""
+
+
+def encode_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False).ids`, without holding the GIL while a
+    long text (over RELEASE_GIL_CHARS characters) is tokenized."""
+    if len(text) > RELEASE_GIL_CHARS:
+        return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 class BlockEncoder:
@@ -316,7 +329,7 @@ class BlockEncoder:
     def encode(self, text: str) -> list[int]:
         """The token ids of `text` (as `tokenizer.encode(text, add_special_tokens=False).ids`)."""
         if not self.enabled:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return encode_ids(self.tokenizer, text)
         blocks = self._split(text)
         with self._lock:
             found = [self._get(block) for block in blocks]
@@ -330,7 +343,7 @@ class BlockEncoder:
             j = i + 1
             while j < len(blocks) and found[j] is None:
                 j += 1
-            ids = self.tokenizer.encode("".join(blocks[i:j]), add_special_tokens=False).ids
+            ids = encode_ids(self.tokenizer, "".join(blocks[i:j]))
             self._remember(blocks[i:j], ids)
             out.extend(ids)
             i = j

@@ -37,6 +37,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_minutes(text: str) -> float:
+    """argparse type: a finite number of minutes > 0 (0 would run nothing and report success)."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of minutes > 0, got {text}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=DEFAULT_WORKLOAD,
                    help="scenario name (chat, reasoning, agent, concurrent, primers, grid_edges, "
@@ -44,8 +52,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help="cost profile: a shipped name or a JSON file (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    p.add_argument("--invariant-rows", default="profile", metavar="N|none",
-                   help="override the profile's invariant grid: rows, or 'none'")
+    p.add_argument("--invariant-rows", default="profile", metavar="N|none|profile",
+                   help="the backend's invariant grid: rows, 'none', or the profile's own (default: %(default)s)")
     p.add_argument("--no-check", action="store_true", help="skip the invariant checks")
     p.add_argument("--no-fast-forward", action="store_true",
                    help="commit decode rounds one by one (same trace, slower)")
@@ -172,8 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--top", type=int, default=10, help="requests to list (default: %(default)s)")
     diff.set_defaults(fn=cmd_diff)
     fz = sub.add_parser("fuzz", help="random workloads and policies under every invariant (Hypothesis)")
-    fz.add_argument("--examples", type=_positive_int, default=200, help="examples to try (default: %(default)s)")
-    fz.add_argument("--minutes", type=float, default=None, help="stop after this many minutes instead")
+    budget = fz.add_mutually_exclusive_group()
+    budget.add_argument("--examples", type=_positive_int, default=200, help="examples to try (default: %(default)s)")
+    budget.add_argument("--minutes", type=_positive_minutes, default=None,
+                        help="run for this many minutes instead of a number of examples")
     fz.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default: %(default)s)")
     fz.add_argument("--profile", default=DEFAULT_PROFILE, help="cost profile (default: %(default)s)")
     fz.add_argument("--out", default="fuzz-out", help="where a failing case is written (default: %(default)s)")

@@ -28,7 +28,7 @@ def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
     """`['grid_rows=2048,4096', 'warm_quiet_ms=0,150']` -> {field: [values]} (TOML literals).
 
     Raises ValueError naming the spec: no `=`, an unknown PolicyConfig field, a repeated
-    field, or no values.
+    field, no values, or a value that is not a TOML literal.
     """
     grid: dict[str, list[Any]] = {}
     known = set(policy_fields())
@@ -41,7 +41,13 @@ def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
             raise ValueError(f"--grid {spec!r}: unknown policy field {name!r}; known: {', '.join(sorted(known))}")
         if name in grid:
             raise ValueError(f"--grid {spec!r}: field {name!r} given twice")
-        grid[name] = [tomllib.loads(f"v = {v.strip()}")["v"] for v in values.split(",")]
+        grid[name] = []
+        for v in values.split(","):
+            try:
+                grid[name].append(tomllib.loads(f"v = {v.strip()}")["v"])
+            except tomllib.TOMLDecodeError:
+                raise ValueError(f"--grid {spec!r}: {name} value {v.strip()!r} is not a TOML literal "
+                                 "(a number, true/false, or a quoted string)") from None
     if not grid:
         raise ValueError("sweep needs at least one --grid FIELD=V1,V2")
     return grid

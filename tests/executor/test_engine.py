@@ -16,7 +16,9 @@ from pathlib import Path
 
 import attrs
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
+from executor.api_schema import ApiError
 from executor.chat import ChatRenderer, load_template
 from executor.config import load_config
 from executor.engine import EngineClient, EngineFailed, _wire
@@ -27,6 +29,7 @@ from executor.replies import ChatContinuation
 from executor.runtime import Done, Job, Rejected, Runtime, Tokens
 from executor.sampling import SamplingParams
 from executor.serve import ServeConfig, run_engine
+from executor.server import Api, ApiConfig
 from executor.tokenizer import load_tokenizer
 from policy.config import PolicyConfig
 from tests.executor.serve_support import ServerProcess
@@ -156,6 +159,10 @@ def test_engine_death_fails_open_requests(renderer):
                 await client.enqueue(_job(renderer))
             assert exc.value.reason == "runtime_failed"
             assert await client.render_metrics() == b""
+            api = Api(client, renderer, ApiConfig(model_id="tiny", context_rows=4096, stop_ids=frozenset()))
+            with pytest.raises(ApiError) as gone:  # /metrics: a 503 naming the death, not an empty 200
+                await api.metrics(make_mocked_request("GET", "/metrics"))
+            assert gone.value.status == 503 and "engine process died" in str(gone.value)
         finally:
             await asyncio.wait_for(client.close(), 30)
 

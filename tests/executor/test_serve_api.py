@@ -35,6 +35,9 @@ def _ok(server) -> None:
 
 def test_models_health_metrics(server):
     assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    status, body = server.get("/v1/models/other")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
     status, body = server.get("/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     _ok(server)
@@ -69,6 +72,20 @@ def test_stream_equals_whole_chat(server, sampling):
     assert finish == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
     assert whole.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_top_k_and_min_p_are_served_and_reproduce_with_a_seed(server):
+    """vLLM's extra sampling parameters (Qwen3.5's card recommends top_k 20): accepted,
+    -1 meaning no limit as in vLLM, and a seed reproduces the reply; top_k 1 is greedy."""
+    client = server.client()
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0.9, top_p=0.95, seed=5)
+    ids = [client.chat.completions.create(**kw, extra_body={"top_k": 20, "min_p": 0.01, "return_token_ids": True})
+           .choices[0].token_ids for _ in range(2)]
+    assert ids[0] == ids[1] and len(ids[0]) == 8
+    assert client.chat.completions.create(**{**kw, "extra_body": {"top_k": -1}}).choices[0].message is not None
+    greedy = client.chat.completions.create(**{**kw, "temperature": 0, "extra_body": {"return_token_ids": True}})
+    top1 = client.chat.completions.create(**{**kw, "extra_body": {"top_k": 1, "return_token_ids": True}})
+    assert top1.choices[0].token_ids == greedy.choices[0].token_ids
 
 
 def test_stream_equals_whole_completion(server):
@@ -123,6 +140,9 @@ BAD_CHAT = [
     ("temperature-negative", {"messages": MESSAGES, "temperature": -0.5}, "temperature"),
     ("temperature-string", {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
     ("top-p-big", {"messages": MESSAGES, "top_p": 1.5}, "top_p"),
+    ("top-k-below-minus-one", {"messages": MESSAGES, "top_k": -2}, "top_k"),
+    ("top-k-float", {"messages": MESSAGES, "top_k": 2.5}, "top_k"),
+    ("min-p-big", {"messages": MESSAGES, "min_p": 1.5}, "min_p"),
     ("stream-string", {"messages": MESSAGES, "stream": "yes"}, "stream"),
     ("stream-options-without-stream", {"messages": MESSAGES, "stream_options": {"include_usage": True}},
      "stream_options"),
@@ -150,6 +170,7 @@ RAW = [
     ("invalid-utf8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
     ("lone-surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
     ("nested-too-deep", b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+    ("integer-too-long", b'{"max_tokens": ' + b"9" * 5000 + b"}", None),
 ]
 
 

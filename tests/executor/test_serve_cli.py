@@ -81,6 +81,13 @@ def test_random_weights_without_a_gpu_exit_1_saying_so(capsys):
     assert "--random-weights qwen3.5-0.8b needs the cuda backend" in capsys.readouterr().err
 
 
+def test_context_past_the_models_positions_exits_1_naming_both(capsys):
+    """--context may not exceed max_position_embeddings (the tiny model's 262,144): a clear
+    error at start, on the reference backend as on the GPU."""
+    assert main(["--context", "999999999", "--port", "0", "--no-engine-process", "--backend", "reference"]) == 1
+    assert "--context 999999999 exceeds the model's max_position_embeddings (262144)" in capsys.readouterr().err
+
+
 def test_in_process_server_serves_and_stops():
     """--no-engine-process: the runtime in the HTTP process; the same API and metrics,
     and the ready log line says where the engine runs."""

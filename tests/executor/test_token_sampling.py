@@ -56,6 +56,9 @@ def test_top_logprobs():
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"logprobs": -1}, "logprobs"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
     ],
 )
 def test_bad_params_name_the_field(kwargs, field):
@@ -86,3 +89,52 @@ def test_nucleus_of_a_large_vocabulary_matches_the_full_sort():
         params = SamplingParams(temperature=0.7, top_p=top_p)
         for u in (0.0, 0.37, 0.999):
             assert sample(x, params, FixedDraw(u)) == full_sort_sample(x, params, u)
+
+
+def _filtered_reference(logits: np.ndarray, params: SamplingParams, u: float) -> int:
+    """`sample`'s definition with top_k / min_p, from a stable sort of every token: the
+    top_k first (ties by lower id), then p >= min_p * max p, then the top_p nucleus of the
+    rest's mass, renormalised; u picks in that order."""
+    scaled = np.asarray(logits, np.float64) / params.temperature
+    probs = np.exp(scaled - scaled.max())
+    order = np.argsort(-probs, kind="stable")
+    if params.top_k:
+        order = order[: params.top_k]
+    order = order[probs[order] >= params.min_p]
+    cumulative = np.cumsum(probs[order])
+    keep = order.size
+    if params.top_p < 1.0:
+        keep = min(int(np.searchsorted(cumulative, params.top_p * cumulative[-1], side="left")) + 1, order.size)
+    kept = cumulative[:keep] / cumulative[keep - 1]
+    return int(order[min(int(np.searchsorted(kept, u, side="right")), keep - 1)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    logits=st.lists(st.sampled_from([-30.0, -3.0, -1.0, 0.0, 0.5, 2.0, 2.0, 7.5]) | st.floats(-40, 40, width=32),
+                    min_size=1, max_size=300),
+    temperature=st.sampled_from([0.05, 0.3, 1.0, 2.5]),
+    top_p=st.sampled_from([1e-6, 0.5, 0.95, 1.0]),
+    top_k=st.sampled_from([0, 2, 3, 20, 500]),
+    min_p=st.sampled_from([0.0, 1e-9, 0.05, 0.5, 1.0]),
+    u=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_top_k_and_min_p_pick_what_their_definition_picks(logits, temperature, top_p, top_k, min_p, u):
+    """top_k, then min_p, then top_p (vLLM's order), ties by lower id, for every draw u."""
+    x = np.asarray(logits, np.float32)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    assert sample(x, params, FixedDraw(u)) == _filtered_reference(x, params, u)
+
+
+def test_top_k_limits_the_draws_to_the_k_most_likely():
+    """Qwen3.5's recommended top_k 20 over a real-size vocabulary: every draw of a seeded
+    request is one of the 20 most likely tokens, the draws spread over more than one of
+    them, and top_k 1 is greedy."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(248_320) * 2.0).astype(np.float32)
+    top20 = set(np.argsort(-x, kind="stable")[:20].tolist())
+    draws = new_rng(11)
+    picks = [sample(x, SamplingParams(temperature=1.0, top_p=0.95, top_k=20), draws) for _ in range(200)]
+    assert set(picks) <= top20 and len(set(picks)) > 5
+    assert sample(x, SamplingParams(temperature=0.7, top_k=1), new_rng(1)) == int(np.argmax(x))
+    assert sample(x, SamplingParams(temperature=0.7, min_p=1.0), FixedDraw(0.99)) == int(np.argmax(x))

@@ -12,8 +12,10 @@ from executor.errors import CheckpointError
 from executor.tokenizer import (
     QWEN35_BASE_VOCAB,
     QWEN35_SPECIAL_TOKENS,
+    RELEASE_GIL_CHARS,
     BlockEncoder,
     default_tokenizer,
+    encode_ids,
     load_tokenizer,
     splits_before,
 )
@@ -191,3 +193,37 @@ def test_block_encoder_encodes_whole_when_a_cut_could_change_the_ids():
     overlapping.add_special_tokens(["x<|im"])  # an added token that ends with a prefix of the marker
     assert not splits_before(overlapping, MARKER)
     assert not BlockEncoder(plain, MARKER, max_chars=0).enabled
+
+
+def test_a_long_text_is_tokenized_without_holding_the_gil(ours):
+    """Past RELEASE_GIL_CHARS, `encode_ids` gives `encode`'s ids while another thread keeps
+    running: a thread that sleeps 1 ms in a loop is never held up for 0.2 s or more while a
+    ~0.5 s tokenization runs (with `encode` it waits the whole time; a 32 MB prompt froze the
+    API's loop for ~25 s, /health included)."""
+    import threading
+    import time
+
+    text = "".join(CORPUS[:16]) * 1000  # ~0.6 MB of mixed scripts
+    assert len(text) > RELEASE_GIL_CHARS
+    waits, stop = [], threading.Event()
+
+    def beat():
+        while not stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.001)
+            waits.append(time.perf_counter() - t)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        t = time.perf_counter()
+        ids = encode_ids(ours, text)
+        took = time.perf_counter() - t
+    finally:
+        stop.set()
+        thread.join()
+    assert ids == ours.encode(text, add_special_tokens=False).ids
+    assert took > 0.2, f"the text took {took:.3f} s: too short to show a stall"
+    assert max(waits) < 0.2, f"the other thread waited {max(waits):.3f} s"
+    short = CORPUS[0]
+    assert encode_ids(ours, short) == ours.encode(short, add_special_tokens=False).ids

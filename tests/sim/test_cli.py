@@ -84,7 +84,8 @@ def test_sweep_writes_csv_and_plots(tmp_path):
     (["run", "--workload", "nope"], "unknown workload 'nope'"),
     (["run", "--profile", "nope"], "nope"),
     (["sweep", "--grid", "gird_rows=1,2"], "unknown policy field 'gird_rows'"),
-], ids=["workload", "profile", "grid-field"])
+    (["sweep", "--grid", "grid_rows=abc"], "grid_rows value 'abc' is not a TOML literal"),
+], ids=["workload", "profile", "grid-field", "grid-value"])
 def test_bad_input_is_a_clear_error(argv, needle, capsys, tmp_path):
     assert main(argv + (["--out", str(tmp_path)] if argv[0] == "sweep" else [])) == 2
     assert needle in capsys.readouterr().err
@@ -101,6 +102,14 @@ def test_bad_counts_and_invariant_rows_name_the_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fuzz", "--examples", "0"])
     assert exc.value.code == 2 and "--examples: must be at least 1, got 0" in capsys.readouterr().err
+    for minutes in ("0", "-1", "nan", "inf"):  # none would run an example and still report success
+        with pytest.raises(SystemExit) as exc:
+            main(["fuzz", "--minutes", minutes])
+        assert exc.value.code == 2 and f"--minutes: must be a number of minutes > 0, got {minutes}" in \
+            capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # one budget or the other, not both silently
+        main(["fuzz", "--minutes", "1", "--examples", "3"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
     assert main(["run", "--invariant-rows", "abc"]) == 2
     assert "invariant_rows: must be a positive integer, 'none' or 'profile', got 'abc'" in capsys.readouterr().err
 
@@ -121,3 +130,17 @@ def test_malformed_policy_toml_names_the_file(tmp_path, capsys):
     bad.write_text("lanes = \n")
     assert main(["run", "--policy", str(bad)]) == 2
     assert f"{bad}: not valid TOML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status, want", [("", "abc1234"), (" M policy/store.py\n", "abc1234+dirty")])
+def test_the_recorded_commit_says_when_tracked_files_changed(monkeypatch, status, want):
+    """Traces, profiles and sweeps record `git_commit()`: numbers from uncommitted code
+    must not pass for the commit's (`git describe --dirty` marks them the same way)."""
+    from sim import api
+
+    def run(argv, **kw):
+        out = "abc1234\n" if argv[1] == "rev-parse" else status
+        return subprocess.CompletedProcess(argv, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(api.subprocess, "run", run)
+    assert api.git_commit() == want
