@@ -129,10 +129,11 @@ class Stepper:
     publish: called from the worker thread with the first tokens taken so far, as soon as
     each is taken, when the step has more work after it (the chunk's keep, more restores,
     the prefill, a decode round): the runtime hands them to their clients without waiting
-    for the rest of the step (thread-safe; None: every token waits for the commit). A
-    27B first-token step's keep is ~1.8 ms of host time (bench/RESULTS.md, session 15)
-    that the first token no longer waits for. The first token is the same either way:
-    it is sampled from the chunk's logits, which the keep only copies.
+    for the rest of the step (thread-safe; None: every token waits for the commit). In a
+    27B first-token step the keep is 0.5-0.9 ms of host time (1.5-2.0 ms before prefill
+    logits were shared), which the first token no longer waits for (bench/RESULTS.md,
+    sessions 15 and 16). The first token is the same either way: it is sampled from the
+    chunk's logits, which the keep only copies.
     """
 
     def __init__(self, backend: Backend) -> None:
