@@ -46,12 +46,12 @@ def snapshot(backend: Backend, state: Any, logits: np.ndarray | None, base: Payl
     rows than the state.
     """
     snap = backend.snapshot(state, None if base is None else base.snapshot)
-    return Payload(snap, int(snap.rows), _frozen(logits), int(backend.payload_bytes(snap)), int(snap.kv_from))
+    return Payload(snap, int(snap.rows), frozen_logits(logits), int(backend.payload_bytes(snap)), int(snap.kv_from))
 
 
 def with_logits(payload: Payload, logits: np.ndarray) -> Payload:
     """The same kept state with its last row's logits added (`policy.store.Copy.LOGITS`)."""
-    return attrs.evolve(payload, logits=_frozen(logits))
+    return attrs.evolve(payload, logits=frozen_logits(logits))
 
 
 def ghost(backend: Backend, payload: Payload) -> Payload:
@@ -83,7 +83,3 @@ def release(backend: Backend, state: Any) -> None:
     give = getattr(backend, "release", None)
     if give is not None:
         give(state)
-
-
-def _frozen(logits: np.ndarray | None) -> np.ndarray | None:
-    return frozen_logits(logits)

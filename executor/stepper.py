@@ -110,6 +110,8 @@ class Outcome:
     runtime's commit delivers the rest."""
     published_s: float | None = None
     """Seconds from the step's start to its last early publish (None: none)."""
+    started: float = 0.0
+    """perf_counter() seconds when the step started in the worker."""
     stopped: set[int] = attrs.field(factory=set)
     ended: list[Live] = attrs.field(factory=list)
     error: BaseException | None = None
@@ -140,7 +142,6 @@ class Stepper:
         self.backend = backend
         self.rows_s = 1e-4
         self.publish: Callable[[list[tuple[Live, int, str]]], None] | None = None
-        self._t0 = 0.0
         self._takes_tail = ("tail_from" in inspect.signature(backend.prefill).parameters
                             and backend.config.layer_types[-1] == FULL)
 
@@ -150,7 +151,7 @@ class Stepper:
         leaves `Outcome.snapshot` None: the step and its requests go on, and the runtime
         hands the keep back to the scheduler (`Scheduler.unkeep`)."""
         out = Outcome()
-        t0 = self._t0 = time.perf_counter()
+        t0 = out.started = time.perf_counter()
         try:
             if plan.releases:
                 for state in plan.releases:
@@ -262,7 +263,7 @@ class Stepper:
         if more and self.publish is not None and len(out.tokens) > out.published:
             self.publish(out.tokens[out.published :])
             out.published = len(out.tokens)
-            out.published_s = time.perf_counter() - self._t0
+            out.published_s = time.perf_counter() - out.started
 
     def _take(self, live: Live, token: int, out: Outcome) -> None:
         """Record one sampled token: the text it releases, and whether it ends the reply."""

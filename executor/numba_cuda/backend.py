@@ -32,7 +32,7 @@ from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_mma, delta_rule,
                                  device_weights, elementwise, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
-from executor.numba_cuda.device import columns, empty, to_device
+from executor.numba_cuda.device import columns, copy_of, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
 from executor.numba_cuda.gemm import Gemm
 from executor.numba_cuda.gemv import gemv
@@ -373,7 +373,7 @@ class NumbaCudaBackend:
         if first == rows:
             return None
         if first:
-            h = _copy(h[first:], stream)
+            h = copy_of(h[first:], stream)
             positions, slots = positions[first:], slots[first:]
         qg = mm(h, w["q_proj"], stream=stream)
         q = attention_prep.q_norm_rope(qg, w["q_norm"], self.w.freqs, positions, c.rms_norm_eps,
@@ -650,10 +650,3 @@ class NumbaCudaBackend:
 
     def state_bytes(self, state: DeviceState) -> int:
         return self.config.state_bytes(state.rows)
-
-
-def _copy(array, stream=0):
-    """A fresh (256-byte aligned, contiguous) copy of a device array, for cuBLAS inputs."""
-    out = empty(tuple(array.shape), array.dtype, stream)
-    out.copy_to_device(array, stream=stream)
-    return out

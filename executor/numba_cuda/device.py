@@ -503,6 +503,14 @@ def lasting(shape, dtype, stream=0):
     return array if IS_SIMULATOR else LeanArray.wrap(array)
 
 
+def copy_of(array, stream=0):
+    """A fresh (256-byte aligned, C-contiguous) device copy of a device array, from `empty`
+    (cuBLAS inputs, timing copies of a weight)."""
+    out = empty(tuple(array.shape), array.dtype, stream)
+    out.copy_to_device(array, stream=stream)
+    return out
+
+
 def to_device(host: np.ndarray, stream=0):
     """Copy a host array into a new (contiguous) device array; a `LeanArray` on a GPU,
     numba's array under the simulator."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from executor.numba_cuda.device import IS_SIMULATOR, check_product, device_pointer, empty, to_device
+from executor.numba_cuda.device import IS_SIMULATOR, check_product, copy_of, device_pointer, empty, to_device
 from executor.safetensors_file import bf16_to_f32
 
 if not IS_SIMULATOR:
@@ -83,12 +83,6 @@ def timing_copies(weight_bytes: int) -> int:
     if weight_bytes <= 0:
         raise ValueError(f"weight_bytes must be > 0, got {weight_bytes}")
     return max(1, min(TIMING_MAX_COPIES, -(-TIMING_WEIGHT_BYTES // weight_bytes)))
-
-
-def _device_copy(array):
-    out = empty(tuple(array.shape), array.dtype)
-    out.copy_to_device(array)
-    return out
 
 
 def without_split_k(results: np.ndarray, count: int) -> list[np.ndarray]:
@@ -224,7 +218,7 @@ class Gemm:
         hi - 1, hi), or the reference itself. x: the pinning's random bf16 [REFERENCE_ROWS, K]; w: [N, K]."""
         n, k = w.shape[0], x.shape[1]
         host_x = x.copy_to_host()
-        weights = [w] + [_device_copy(w) for _ in range(timing_copies(n * k * 2) - 1)]
+        weights = [w] + [copy_of(w) for _ in range(timing_copies(n * k * 2) - 1)]
         chosen, report = [], []
         for lo, hi in BUCKETS:
             probes = sorted({m for m in (lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi) if lo <= m <= hi})
