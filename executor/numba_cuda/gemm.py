@@ -12,7 +12,10 @@ when M is 1 to 256 (27B down_proj: 202 us at M = 16, where another algorithm tak
 bench/RESULTS.md, session 3). So for each row-count bucket of BUCKETS, `pin` also asks the
 heuristic at the bucket's top M, keeps the candidates (no split-K) whose output equals the
 reference algorithm's bit for bit at five probe row counts of the bucket, and runs the fastest of
-those and the reference itself (timed on the device) for every M in the bucket. A row's bits
+those and the reference itself (timed on the device) for every M in the bucket. Buckets up to
+WIDE_POOL_MAX_ROWS rows also take the candidates the heuristic offers for other shapes
+(`pool_queries`): asked at wider N it offers narrower tiles, and an algorithm runs any shape it
+accepts (27B down_proj at 51 rows: 83.6 -> 53.2 us, bit-equal; bench/RESULTS.md, session 17). A row's bits
 are the reference algorithm's at every M, so chunk invariance holds (a K-reduction order
 that matches at one M matches at all: the order depends on the K tiling, not on M; the probes
 check it, and the GPU chunk-invariance tests check the whole forward). Twin: ops.linear.
@@ -46,6 +49,18 @@ BUCKETS = ((1, 16), (17, 64), (65, 256), (257, 1024))
 """Row-count ranges [lo, hi] that get their own (bit-identical, fastest) algorithm; larger M
 runs the reference algorithm."""
 BUCKET_CANDIDATES = 8
+"""Candidates a heuristic query contributes to a bucket (its first ones)."""
+WIDE_POOL_MAX_ROWS = 64
+"""Buckets whose top M is at most this take the wide pool (`pool_queries`): short chunks, where
+the heuristic's own choice at the bucket's M leaves the weight stream at up to 5.7x its floor
+(27B kv_proj). Larger buckets ask at their top M only: their probes copy up to 142 MB an
+algorithm back to the host (27B gate_up at 1024 rows)."""
+POOL_ROWS = (1, 16, 48)
+"""Row counts M' the wide pool asks the heuristic at, besides the bucket's top M."""
+POOL_COLUMNS = (0.25, 0.5, 1, 2, 3, 4)
+"""Multiples of N the wide pool asks the heuristic at. The session 17 search (bench/RESULTS.md)
+found each shape's fastest bit-equal algorithm at 51 rows among queries at M' in {1, 16, 48, 51,
+64} and N' in {N/2, N, 3N, 4N} (27B down_proj: M' = 51, N' = 3N; kv_proj: 16, 4N)."""
 TIMING_REPEATS = 5
 TIMING_SPIN_MS = 1.0
 """Device milliseconds of spin ahead of a bucket timing: longer than the host takes to queue
@@ -85,6 +100,19 @@ def timing_copies(weight_bytes: int) -> int:
     return max(1, min(TIMING_MAX_COPIES, -(-TIMING_WEIGHT_BYTES // weight_bytes)))
 
 
+def pool_queries(n: int, hi: int) -> list[tuple[int, int]]:
+    """The (M', N') shapes the wide pool of a bucket with top M `hi` asks the heuristic at, for
+    an output width `n`: (hi, n) first, then every M' of POOL_ROWS and hi with every N' =
+    multiple x n of POOL_COLUMNS that is a positive multiple of 8, without repeats."""
+    out = [(hi, n)]
+    for m in sorted({*POOL_ROWS, hi}):
+        for multiple in POOL_COLUMNS:
+            nq = int(n * multiple)
+            if nq >= 8 and nq % 8 == 0 and nq == n * multiple and (m, nq) not in out:
+                out.append((m, nq))
+    return out
+
+
 def without_split_k(results: np.ndarray, count: int) -> list[np.ndarray]:
     """The algorithms (64-byte cublasLtMatmulAlgo_t as uint64[8]) of the first `count`
     heuristic results in `results` (HEURISTIC_BYTES each) that succeeded and do not split
@@ -112,6 +140,8 @@ class Gemm:
 
     def __init__(self) -> None:
         self.pinned: dict[tuple[int, int], dict] = {}
+        self.refused: dict[tuple[int, int, int], str] = {}
+        """(M, N, K) -> why its bucket's algorithm refused that M (the reference runs it since)."""
         if IS_SIMULATOR:
             return
         if lt is None:
@@ -150,6 +180,23 @@ class Gemm:
         finally:
             lt.matmul_preference_destroy(pref)
         return without_split_k(results, int(count[0]))
+
+    def pool(self, n: int, k: int, hi: int) -> list[np.ndarray]:
+        """The candidates a bucket with top M `hi` tries for shape (N, K), without split-K and
+        without repeats: the first BUCKET_CANDIDATES the heuristic offers at (hi, N), then, when
+        hi <= WIDE_POOL_MAX_ROWS, those it offers at each of `pool_queries(n, hi)`."""
+        seen, out = set(), []
+        queries = pool_queries(n, hi) if hi <= WIDE_POOL_MAX_ROWS else [(hi, n)]
+        for m, nq in queries:
+            try:
+                found = self._candidates(nq, k, m)[:BUCKET_CANDIDATES]
+            except Exception:  # noqa: BLE001 - a shape the heuristic refuses adds nothing
+                continue
+            for algo in found:
+                if algo.tobytes() not in seen:
+                    seen.add(algo.tobytes())
+                    out.append(algo)
+        return out
 
     def _run(self, algo: np.ndarray, x, w, out, stream=0) -> None:
         m, k = x.shape
@@ -212,6 +259,11 @@ class Gemm:
         stop.record()
         return elapsed_seconds(start, stop) / repeats
 
+    def _same(self, algo: np.ndarray, x, w, out, expected: np.ndarray) -> bool:
+        """Whether `algo`'s product x @ w.T (into out) equals `expected` bit for bit."""
+        self._run(algo, x, w, out)
+        return np.array_equal(out.copy_to_host(), expected)
+
     def _bucket_algos(self, reference: np.ndarray, x, w) -> list[tuple[int, np.ndarray]]:
         """[(hi, algo)] per BUCKETS range: the fastest candidate whose output equals the
         reference algorithm's bit for bit at the range's probe row counts (lo, lo + 1, middle,
@@ -230,13 +282,10 @@ class Gemm:
                 expected[m] = outs[m].copy_to_host()
             best, best_s = reference, self._seconds(reference, inputs[hi], weights, outs[hi])
             reference_s, equal = best_s, 0
-            for algo in self._candidates(n, k, hi)[:BUCKET_CANDIDATES]:
+            candidates = self.pool(n, k, hi)
+            for algo in candidates:
                 try:
-                    same = True
-                    for m in probes:
-                        self._run(algo, inputs[m], w, outs[m])
-                        same = same and np.array_equal(outs[m].copy_to_host(), expected[m])
-                    if not same:
+                    if not all(self._same(algo, inputs[m], w, outs[m], expected[m]) for m in reversed(probes)):
                         continue
                     equal += 1
                     seconds = self._seconds(algo, inputs[hi], weights, outs[hi])
@@ -245,14 +294,17 @@ class Gemm:
                 if seconds < best_s:
                     best, best_s = algo, seconds
             chosen.append((hi, best))
-            report.append({"rows": [lo, hi], "bit_equal_candidates": equal, "reference_us": round(reference_s * 1e6, 1),
+            report.append({"rows": [lo, hi], "candidates": len(candidates), "bit_equal_candidates": equal, "reference_us": round(reference_s * 1e6, 1),
                            "chosen_us": round(best_s * 1e6, 1), "algo_id": int(best[0] & 0xFFFFFFFF)})
         self.pinned[(n, k)]["buckets"] = report
         return chosen
 
     def algo_for(self, m: int, n: int, k: int) -> np.ndarray:
-        """The algorithm that runs an [m, K] x [N, K]^T product (pinning (N, K) on first use)."""
+        """The algorithm that runs an [m, K] x [N, K]^T product (pinning (N, K) on first use):
+        its bucket's, or the reference for M past the buckets or an M its bucket's refused."""
         reference = self.pin(n, k)
+        if (m, n, k) in self.refused:
+            return reference
         for hi, algo in self._buckets[(n, k)]:
             if m <= hi:
                 return algo
@@ -269,5 +321,12 @@ class Gemm:
             xs, ws = bf16_to_f32(x.copy_to_host()), bf16_to_f32(w.copy_to_host())
             out.copy_to_device((xs.astype(np.float64) @ ws.T.astype(np.float64)).astype(np.float32))
         elif m:
-            self._run(self.algo_for(m, n, k), x, w, out, stream)
+            algo = self.algo_for(m, n, k)
+            try:
+                self._run(algo, x, w, out, stream)
+            except Exception as exc:  # a bucket's algorithm that refuses an M its probes missed
+                if algo is self._algos[(n, k)]:
+                    raise
+                self.refused[(m, n, k)] = repr(exc)  # the reference gives the same bits at every M
+                self._run(self._algos[(n, k)], x, w, out, stream)
         return out
