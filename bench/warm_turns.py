@@ -21,7 +21,9 @@ grid row on-grid), reference_never_cached, hashes_equal_cache_off, and with
 --max-ttft-ratio, continuation_ttft_ratio (median turn-2 TTFT cache-on / cache-off).
 token_sha256: the reply's token ids as ASCII decimals joined by ","; output_sha256: the
 UTF-8 JSON `[reasoning, content]` as streamed; prompt_sha256: the client-rendered prompt
-ids. TTFT: request sent to the first SSE chunk carrying a token id. prefill_s: first
+ids. TTFT: request sent to the first SSE chunk carrying a token id. publish_s: the request's
+arrival at the engine to its first token leaving the engine's worker (trace and steps file;
+TTFT less publish is the client, HTTP, API process and pipe time). prefill_s: first
 chunk_started to last chunk_done of the request in the trace (servers started here only).
 phases_ms: host ms the server's steps spent in each phase while the turn ran (/metrics'
 warmstate_step_phase_seconds_total: restore, forward, keep, decode, sample, release),
@@ -318,22 +320,48 @@ def run_case(server: Server, renderer: ChatRenderer, case: str, salt: str, s: Se
 
 
 def add_trace_times(run: dict[str, Any], trace: Path | None) -> None:
-    """prefill_s (first chunk_started to last chunk_done) and the server's ttft_s per turn."""
+    """prefill_s (first chunk_started to last chunk_done), the server's ttft_s (arrival to the
+    commit of the first token's step) and publish_s per turn (`publish_seconds`)."""
     if trace is None or not trace.is_file():
         return
-    started, done, first = {}, {}, {}
+    started, last_started, done, first, arrived = {}, {}, {}, {}, {}
     for e in map(json.loads, trace.read_text().splitlines()):
         rid = e.get("request")
         if e["kind"] == "chunk_started" and rid:
             started.setdefault(rid, e["t"])
+            last_started[rid] = e["t"]
         elif e["kind"] == "chunk_done" and rid:
             done[rid] = e["t"]
         elif e["kind"] == "first_token":
             first[rid] = e["ttft_s"]
+        elif e["kind"] == "request_arrived":
+            arrived[rid] = e["t"]
+    steps_file = trace.with_name(trace.name + ".steps.jsonl")
+    steps = [json.loads(line) for line in steps_file.read_text().splitlines()] if steps_file.is_file() else []
     for turn in run["turns"]:
         rid = turn["request"]
         turn["prefill_s"] = done[rid] - started[rid] if rid in started and rid in done else None
         turn["server_ttft_s"] = first.get(rid)
+        turn["publish_s"] = publish_seconds(arrived.get(rid), last_started.get(rid), first.get(rid), steps)
+
+
+def publish_seconds(arrived: float | None, last_chunk: float | None, ttft_s: float | None,
+                    steps: list[dict]) -> float | None:
+    """Seconds from a request's arrival at the engine to its first token leaving the engine's
+    worker. Its first token comes from its last chunk (started at `last_chunk`, trace time),
+    which runs in the first step recorded after it (steps run one at a time; a step's record,
+    written at its commit, has t and ran_s: its hand-off to the worker was at t - ran_s). When
+    that step published the token early (published_s), the publish is at t - ran_s +
+    published_s; else the commit delivered it, at the first_token event's ttft_s. The client's
+    TTFT less this is the time spent in HTTP, the API process and the pipes. None when the
+    trace lacks the request's arrival, chunk or first token."""
+    if arrived is None or last_chunk is None or ttft_s is None:
+        return None
+    after = [s for s in steps if s.get("kind") == "step" and s["t"] >= last_chunk]
+    step = min(after, key=lambda s: s["t"]) if after else None
+    if step is None or step.get("published_s") is None:
+        return ttft_s
+    return step["t"] - step["ran_s"] + step["published_s"] - arrived
 
 
 # --- checks and the receipt -------------------------------------------------------------------------
@@ -438,10 +466,10 @@ def _hash(turns: list[dict], salts: list[str], key: str) -> str:
 
 
 def receipt_table(runs: list[dict[str, Any]], s: Settings) -> str:
-    """Per case, turn and server: prompt rows, expected and cached rows, prefill and TTFT
-    ms (median [min-max] over repeats), hashes (first 12 hex digits)."""
-    rows = [("case", "turn", "srv", "runs", "prompt", "expect>=", "cached", "prefill ms", "TTFT ms", "token_sha256",
-             "output_sha256")]
+    """Per case, turn and server: prompt rows, expected and cached rows, prefill, publish and
+    TTFT ms (median [min-max] over repeats), hashes (first 12 hex digits)."""
+    rows = [("case", "turn", "srv", "runs", "prompt", "expect>=", "cached", "prefill ms", "publish ms", "TTFT ms",
+             "token_sha256", "output_sha256")]
     for case in s.cases:
         for k in range(s.turns):
             for srv in "AB":
@@ -452,7 +480,8 @@ def receipt_table(runs: list[dict[str, Any]], s: Settings) -> str:
                 expect = _same([expected_row(r, k, s) for r in group]) if k and srv == "A" else "-"
                 rows.append((case, str(k + 1), srv, str(len(group)), _same([t["prompt_tokens"] for t in turns]), expect,
                              _same([t["cached_tokens"] for t in turns]), _spread([t.get("prefill_s") for t in turns]),
-                             _spread([t["ttft_s"] for t in turns]), _hash(turns, salts, "token_sha256"),
+                             _spread([t.get("publish_s") for t in turns]), _spread([t["ttft_s"] for t in turns]),
+                             _hash(turns, salts, "token_sha256"),
                              _hash(turns, salts, "output_sha256")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

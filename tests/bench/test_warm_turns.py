@@ -64,6 +64,9 @@ def test_both_cases_abba_on_the_tiny_model(tmp_path):
     for run in runs:
         first, second = run["turns"]
         assert first["cached_tokens"] == 0 and first["ttft_s"] > 0 and first["prefill_s"] > 0
+        for turn in run["turns"]:  # the engine hands the token over before the client has it
+            times = {k: turn[k] for k in ("publish_s", "server_ttft_s", "ttft_s")}
+            assert 0 < turn["publish_s"] <= turn["server_ttft_s"] and turn["publish_s"] < turn["ttft_s"], times
         if run["case"] == "on-grid":
             assert first["prompt_tokens"] < GRID == first["continuation_rows"]
         else:
@@ -83,6 +86,24 @@ def test_both_cases_abba_on_the_tiny_model(tmp_path):
     assert "host ms per step phase" in proc.stdout and "restore ms" in proc.stdout
     assert receipt["environment"]["commit"] and sorted(p.name for p in (tmp_path / "traces").glob("*.log")) == [
         "1-A.log", "2-B.log", "3-B.log", "4-A.log"]
+
+
+def test_publish_seconds_reads_the_step_that_ran_the_last_chunk():
+    """publish_s: the step that ran the request's last chunk is the first recorded after that
+    chunk started; the publish is at its hand-off (t - ran_s) plus its published_s; a step
+    without published_s (the token waited for the commit) gives the first_token's ttft_s, even
+    when the commit took long (the old 2 ms window then fell back wrongly under load)."""
+    wt = _module()
+    steps = [{"kind": "step", "t": 1.010, "ran_s": 0.008, "published_s": 0.004},  # before the chunk
+             {"kind": "step", "t": 1.0398, "ran_s": 0.028, "published_s": 0.025},  # ran it
+             {"kind": "step", "t": 1.2, "ran_s": 0.003, "published_s": 0.001}]  # a later step
+    assert abs(wt.publish_seconds(1.0100, 1.0117, 0.0350, steps) - (1.0398 - 0.028 + 0.025 - 1.0100)) < 1e-12
+    no_early = [steps[0], {"kind": "step", "t": 1.0398, "ran_s": 0.028}, steps[2]]
+    assert wt.publish_seconds(1.0100, 1.0117, 0.0350, no_early) == 0.0350
+    assert wt.publish_seconds(1.0100, 1.3, 0.0350, steps) == 0.0350  # no step after the chunk: the commit's
+    assert wt.publish_seconds(None, 1.0117, 0.0350, steps) is None
+    assert wt.publish_seconds(1.0, None, 0.0350, steps) is None
+    assert wt.publish_seconds(1.0, 1.0117, None, steps) is None
 
 
 def test_planted_breaks_turn_the_receipt_red(tmp_path):

@@ -90,3 +90,37 @@ def test_run_validation():
         Run(0, 0)
     with pytest.raises(ValueError, match="tokens has 2 ids but rows is 3"):
         Run(0, 3, (1, 2))
+
+
+def test_from_tokens_digests_are_the_blake2b_chain_of_its_blocks():
+    """The digest at a block end is blake2b(previous digest + b"t" + the block's ids as
+    native int64), 16 bytes: from_tokens's one-array fast path keeps the scheme (session 17)."""
+    import hashlib
+    from array import array
+
+    p = Prompt.from_tokens(TOKENS)
+    digest = b""
+    for a, b in ((0, 64), (64, 128), (128, 192), (192, 256), (256, 300)):
+        digest = hashlib.blake2b(digest + b"t" + array("q", TOKENS[a:b]).tobytes(), digest_size=16).digest()
+        assert p.digest(b) == digest
+    assert p.runs == tuple(Run(0, b - a, TOKENS[a:b]) for a, b in ((0, 64), (64, 128), (128, 192), (192, 256),
+                                                                    (256, 300)))
+
+
+class _IntLike:
+    """An id with __int__ but no __index__ (array("q") refuses it; int() takes it)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
+
+
+def test_from_tokens_converts_ids_that_are_not_plain_ints_and_refuses_non_numbers():
+    assert Prompt.from_tokens([_IntLike(t) for t in TOKENS]) == Prompt.from_tokens(TOKENS)
+    assert Prompt.from_tokens(()) == Prompt(()) and len(Prompt.from_tokens([])) == 0
+    with pytest.raises((TypeError, ValueError)):
+        Prompt.from_tokens(["a", "b"])
+    with pytest.raises(OverflowError):
+        Prompt.from_tokens([1 << 70])
