@@ -179,6 +179,8 @@ class Prompt:
         for 2,036 ids before, bench/RESULTS.md session 17.) Raises TypeError or ValueError
         for an id int() cannot convert, OverflowError for one outside int64."""
         try:
+            if isinstance(token_ids, (bytes, bytearray, memoryview)):  # array() would read their raw memory
+                raise TypeError
             ids = array("q", token_ids)
         except TypeError:  # e.g. a sequence whose items are not plain ints: convert each
             ids = array("q", [int(t) for t in token_ids])

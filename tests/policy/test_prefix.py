@@ -120,6 +120,8 @@ class _IntLike:
 def test_from_tokens_converts_ids_that_are_not_plain_ints_and_refuses_non_numbers():
     assert Prompt.from_tokens([_IntLike(t) for t in TOKENS]) == Prompt.from_tokens(TOKENS)
     assert Prompt.from_tokens(()) == Prompt(()) and len(Prompt.from_tokens([])) == 0
+    for raw in (b"abcdefghi", bytearray(b"abcdefghi"), memoryview(b"abcdefghi")):  # one id a byte, not raw int64s
+        assert Prompt.from_tokens(raw) == Prompt.from_tokens(tuple(b"abcdefghi"))
     with pytest.raises((TypeError, ValueError)):
         Prompt.from_tokens(["a", "b"])
     with pytest.raises(OverflowError):
