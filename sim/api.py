@@ -137,14 +137,14 @@ def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{platform.node() or 'unknown host'} ({model}, {os.cpu_count()} CPUs)"
 
 
-def git_commit(full: bool = False) -> str:
-    """The checkout's commit (short unless `full`), with "+dirty" when tracked files differ
+def git_commit() -> str:
+    """The checkout's commit (short), with "+dirty" when tracked files differ
     from it (as `git describe --dirty` marks them: results from uncommitted code say so), or
     "unknown" outside a git checkout."""
     here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", *([] if full else ["--short"]), "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=here)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=here)
         commit = out.stdout.strip()
         if not commit:
             return "unknown"
