@@ -13,7 +13,9 @@ How: start `python -m executor.serve ARGS --trace DIR/trace.jsonl` with a policy
 and chunks are `chunk_rows` apart and whose prompt cache is PROMPT_CACHE_GIB (a
 --prompt-cache-gib in ARGS overrides it), and read the step file it writes beside the trace
 (`trace.jsonl.steps.jsonl`: each step's seconds in the backend worker, `ran_s`, and its phases):
-- prefill (R rows after C rows): one request at a time, one token out. C = 0: a prompt of R
+- prefill (R rows after C rows): one request at a time, PREFILL_TOKENS (2) tokens out, so
+  the reply goes on past the chunk's first token, as a served chat's does (its second token
+  is the 1-lane decode step right after the chunk's). C = 0: a prompt of R
   random token ids. C > 0: first a prompt of C + 1 random ids (untimed; it keeps its state at
   the mark C), then prompts of those C ids plus R new ones, which resume at C
   (`cached_tokens` == C is checked) and run exactly the chunk [C, C + R) with its logits read,
@@ -81,6 +83,14 @@ PROMPT_CACHE_GIB = 4
 context's kept prefix and a few points, and a small reserve of cache memory at start-up
 (`NumbaCudaBackend.reserve_cache`) beside the 64 GiB default."""
 
+PREFILL_TOKENS = 2
+"""Tokens a timed prefill point's request asks for. Not 1: the loop's time after a chunk
+step (chunk_s) is measured only where a busy step follows it, and a reply that ended at
+its first token left the next step to the client's next request, so chunk_s came from the
+decode points' long prompts alone. H200, 2B (bench/RESULTS.md, session 18): chunk_s 747 us
+with 1 token, 373 us with 2 (a served first-token step is followed by 384 us of loop time
+in the fidelity run), and the fidelity workload's TTFT error 10.6% -> 8.7%."""
+
 IDS = (1000, 30000)
 """Random prompt token ids are drawn from [IDS[0], IDS[1]) (inside every Qwen3.5 vocabulary)."""
 
@@ -124,9 +134,10 @@ class ServeGrid:
 
     @property
     def context_rows(self) -> int:
-        """The server's --context: the longest prompt plus the longest reply."""
+        """The server's --context: the longest prompt plus its reply (a prefill point's
+        PREFILL_TOKENS or a decode point's `reply_tokens`), plus one."""
         reply = max(self.reply_tokens(lanes, ctx) for lanes in self.lanes for ctx in self.contexts)
-        return max(max(self.contexts) + self.rows[-1], max(self.contexts) + reply) + 1
+        return max(max(self.contexts) + self.rows[-1] + PREFILL_TOKENS, max(self.contexts) + reply) + 1
 
 
 GRIDS = {
@@ -269,7 +280,7 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
                 while suffix[0] in firsts:
                     suffix[0] = ids(1)[0]
                 firsts.add(suffix[0])
-                reply = client.complete(prefix + suffix, 1)
+                reply = client.complete(prefix + suffix, PREFILL_TOKENS)
                 cached = reply.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")
                 if cached != ctx:
                     raise RuntimeError(f"prefill point of {rows} rows at context {ctx}: the server resumed at "

@@ -21,7 +21,8 @@ grid row on-grid), reference_never_cached, hashes_equal_cache_off, and with
 --max-ttft-ratio, continuation_ttft_ratio (median turn-2 TTFT cache-on / cache-off).
 token_sha256: the reply's token ids as ASCII decimals joined by ","; output_sha256: the
 UTF-8 JSON `[reasoning, content]` as streamed; prompt_sha256: the client-rendered prompt
-ids. TTFT: request sent to the first SSE chunk carrying a token id. publish_s: the request's
+ids. TTFT: request sent to the first SSE chunk carrying a token id, on one HTTP/1.1
+connection a server kept alive between requests (as pooled clients do). publish_s: the request's
 arrival at the engine to its first token leaving the engine's worker (trace and steps file;
 TTFT less publish is the client, HTTP, API process and pipe time). prefill_s: first
 chunk_started to last chunk_done of the request in the trace (servers started here only).
@@ -118,6 +119,7 @@ class Server:
                  command: list[str] | None = None, start_grid: int = 1) -> None:
         self.url, self.cache_on, self.proc, self.trace, self.command = url, cache_on, proc, trace, command
         self.start_grid = start_grid
+        self._conn: http.client.HTTPConnection | None = None
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
             self.model = json.loads(resp.read())["data"][0]["id"]
 
@@ -139,8 +141,25 @@ class Server:
             raise
 
     def stop(self) -> None:
+        self.drop_connection()
         if self.proc is not None:
             stop_server(self.proc)
+
+    def connection(self) -> http.client.HTTPConnection:
+        """The chat requests' HTTP/1.1 connection, kept alive between requests as the clients
+        people use do (the openai SDK's httpx pool, vLLM's benchmark_serving's aiohttp
+        session): a turn's TTFT then holds no TCP connect or new-connection setup in the
+        server, except the first request's (it opens it)."""
+        if self._conn is None:
+            url = urllib.parse.urlsplit(self.url)
+            self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=3600)
+        return self._conn
+
+    def drop_connection(self) -> None:
+        """Close the chat connection (after a failed request: the next one opens a new one)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def _samples(self) -> dict[str, str]:
         """/metrics as {sample name with labels: value text}."""
@@ -201,8 +220,7 @@ def chat_stream(server: Server, messages: list[dict], max_tokens: int) -> dict[s
     body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "seed": 1234,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
             "chat_template_kwargs": {"enable_thinking": False}}
-    url = urllib.parse.urlsplit(server.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=3600)
+    conn = server.connection()
     ids: list[int] = []
     parts: dict[str, list[str]] = {"reasoning_content": [], "content": []}
     ttft = usage = rid = None
@@ -227,8 +245,9 @@ def chat_stream(server: Server, messages: list[dict], max_tokens: int) -> dict[s
                 ids.extend(choice.get("token_ids") or ())
                 for key, part in parts.items():
                     part.append(choice["delta"].get(key) or "")
-    finally:
-        conn.close()
+    except BaseException:
+        server.drop_connection()
+        raise
     if usage is None:
         raise BenchError(f"{server.url}: the stream ended without usage")
     return {"request": rid, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "token_ids": ids,

@@ -10,6 +10,7 @@ import pytest
 
 from bench.serve_profile import (
     GRIDS,
+    PREFILL_TOKENS,
     Served,
     ServeGrid,
     decode_steps,
@@ -103,10 +104,10 @@ def test_grid_errors_name_the_field(fields, word):
 def test_grid_context_rows_hold_the_longest_request():
     tiny = GRIDS["tiny"]
     assert tiny.reply_tokens(2, 32) == 2 * 2 + 6  # two prompts of one chunk each (+1), then 6 rounds
-    assert tiny.context_rows == 32 + 32 + 1
+    assert tiny.context_rows == 32 + 32 + PREFILL_TOKENS + 1  # the longest prefill point and its reply
     full = GRIDS["full"]
     assert full.reply_tokens(16, 24576) == 16 * 7 + 24
-    assert full.context_rows == 24576 + 4096 + 1 <= 32768  # under the GPU's cap
+    assert full.context_rows == 24576 + 4096 + 2 + 1 <= 32768  # under the GPU's cap
 
 
 def test_profile_takes_the_server_tables_and_the_base_copies():
@@ -151,6 +152,9 @@ def test_a_tiny_server_run_writes_a_profile_the_simulator_loads(tmp_path, capsys
     assert len(at_32) >= len(grid.rows) * grid.repeat
     assert sum("restore" in s["phases"] for s in at_32) == len(grid.rows) * grid.repeat
     assert not any("restore" in s["phases"] for s in steps if s["prefill_start"] == 0)
+    # a timed point's reply goes on past its first token: its second is a 1-lane round of its own
+    lone = [s for s in steps if s["decode"] == 1 and not s["prefill_rows"]]
+    assert PREFILL_TOKENS == 2 and len(lone) >= len(grid.rows) * len(grid.contexts) * grid.repeat
 
 
 def test_cli_errors_name_the_flag(tmp_path, capsys):

@@ -139,3 +139,32 @@ def test_expected_row_follows_the_server_s_start_grid(tmp_path):
     assert wt.ready_start_grid(log) == 1
     log.write_text("no ready line\n")
     assert wt.ready_start_grid(log) == 1
+
+
+def test_chat_requests_share_one_kept_alive_connection():
+    """Turns ride one HTTP/1.1 connection, as pooled clients' do (no connect in a turn's
+    TTFT but the first's); a failed request drops it and the next opens a new one."""
+    wt = _module()
+    served = ServerProcess("--backend", "reference", "--prompt-cache-gib", "0")
+    try:
+        server = wt.Server(served.url, cache_on=False)
+        messages = [{"role": "user", "content": "hello there"}]
+        first = wt.chat_stream(server, messages, 3)
+        port = server.connection().sock.getsockname()[1]
+        second = wt.chat_stream(server, messages, 3)
+        assert server.connection().sock.getsockname()[1] == port
+        assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 3
+        model, server.model = server.model, "no-such-model"
+        try:
+            wt.chat_stream(server, messages, 3)
+        except wt.BenchError as exc:
+            assert "HTTP 404" in str(exc) or "HTTP 400" in str(exc), exc
+        else:
+            raise AssertionError("a request for an unknown model must fail")
+        assert server._conn is None
+        server.model = model
+        assert wt.chat_stream(server, messages, 3)["token_ids"] == first["token_ids"]
+        assert server.connection().sock.getsockname()[1] != port
+        server.drop_connection()
+    finally:
+        assert served.stop() == 0
