@@ -64,6 +64,7 @@ from bench.fidelity_report import (
 )
 from executor.api_schema import parse_chat
 from executor.chat import ChatError, ChatRenderer, builtin_template, load_template
+from executor.server_process import attach_server_args
 from executor.tokenizer import default_tokenizer, load_tokenizer
 from policy.config import format_policy, parse_policy, policy_from_dict
 from policy.prefix import Prompt
@@ -166,6 +167,25 @@ def run_sim(workload: Workload, policy_dict: dict[str, Any], profile: Profile, f
     return read_trace(trace_path)
 
 
+def grid_rows(choice: str, profile: Profile, meta: dict[str, Any]) -> int | None:
+    """The invariant grid (rows; None: no grid) the simulator resumes on: choice "server" (the
+    server's own, from its trace meta; the profile's when the meta predates that field),
+    "profile", "none", or a row count. Raises ValueError on anything else."""
+    if choice == "server":
+        return meta.get("invariant_rows", profile.invariant_rows)
+    if choice == "profile":
+        return profile.invariant_rows
+    if choice == "none":
+        return None
+    try:
+        rows = int(choice)
+    except ValueError:
+        raise ValueError(f"--invariant-rows must be server, profile, none or a row count, got {choice!r}") from None
+    if rows < 1:
+        raise ValueError(f"--invariant-rows must be >= 1, got {rows}")
+    return rows
+
+
 def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str, model: Path | None,
                 log) -> tuple[int, dict[str, Any]]:
     """Build the sim workload from the record in `out`, simulate, compare, write the report.
@@ -176,8 +196,16 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
     meta = json.loads((out / "server_trace.jsonl.meta.json").read_text())
     server_events = read_trace(out / "server_trace.jsonl")
     rendered = render_records(plan, records, renderer_for(model), run["thinking"])
-    facts = BackendFacts(profile.invariant_rows if invariant_rows == "profile" else
-                         None if invariant_rows == "none" else int(invariant_rows))
+    facts, notes = BackendFacts(grid_rows(invariant_rows, profile, meta)), []
+    if invariant_rows == "server" and "invariant_rows" not in meta:
+        notes.append(f"note: the server's trace meta has no invariant_rows (recorded before it did); the "
+                     f"simulator uses the profile's ({profile.invariant_rows})")
+    elif meta.get("invariant_rows", facts.invariant_rows) != facts.invariant_rows:
+        notes.append(f"note: the simulator resumes on invariant_rows {facts.invariant_rows}, the server on "
+                     f"{meta['invariant_rows']}: cached_tokens will differ where they disagree")
+    elif profile.invariant_rows != facts.invariant_rows:
+        notes.append(f"note: the profile was measured with invariant_rows {profile.invariant_rows}; the server "
+                     f"and the simulator use {facts.invariant_rows}")
     workload = sim_workload(rendered, records, server_events, arrivals)
     sim_events = run_sim(workload, meta["policy"], profile, facts, out / "sim_trace.jsonl")
     rid = {r["server_request"]: (r["conversation"], r["turn"]) for r in records if "server_request" in r}
@@ -187,7 +215,7 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
     lines = report_lines(comparison)
     lines[:0] = [f"server {meta['backend']} {meta['model']} commit {meta['commit']}; profile {profile.name} "
                  f"({profile.source}, {profile.gpu}); invariant_rows {facts.invariant_rows}; arrivals {arrivals}",
-                 *machine_lines(run.get("machine"), dict(profile.provenance).get("machine"))]
+                 *machine_lines(run.get("machine"), dict(profile.provenance).get("machine")), *notes]
     if gaps:
         gaps.sort()
         lines.append(f"client + HTTP overhead per closed-loop turn (server gap - planned think): median "
@@ -265,10 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--thinking", action="store_true", help="enable_thinking on every request (default: off)")
     ap.add_argument("--arrivals", choices=("observed", "planned"), default="observed",
                     help="think time of later turns in the simulator (default: observed)")
-    ap.add_argument("--invariant-rows", default="profile", help="N, none, or profile (default: the profile's)")
+    ap.add_argument("--invariant-rows", default="server",
+                    help="the simulator's invariant grid: server (the server's own, from its trace meta), profile, "
+                         "none, or N rows (default: server)")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="server start and run limit (default: 1200)")
     ap.add_argument("--replay", action="store_true", help="skip the server: compare the run recorded in --out")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(attach_server_args(argv))
     log = lambda s: print(s, flush=True)
     try:
         profile = load_profile(args.profile)

@@ -38,8 +38,9 @@ and chunks are `chunk_rows` apart and whose prompt cache is PROMPT_CACHE_GIB (a
   never counts) is fitted by what the step before it ran: a line over the decode lanes
   (lane_s, and its intercept plus the hand-off as step_s), and the median excess after a
   prefill-only step (chunk_s).
-- keep, restore, copy_bytes_per_s, shape and invariant_rows come from a base profile
-  (--base: bench/profile.py measures those in-process). Not from this server's own keeps:
+- keep, restore, copy_bytes_per_s and shape come from a base profile (--base:
+  bench/profile.py measures those in-process); invariant_rows is the server's own (its
+  `ready` log line), since the simulator must resume where this server does. Not from this server's own keeps:
   its grid's keeps took 2.9x the base curve, the fidelity workload's 1.4x at the same bytes
   (allocation and idle-then-busy patterns differ), so they do not carry over
   (bench/RESULTS.md, session 11).
@@ -72,7 +73,7 @@ import numpy as np
 
 from bench.fidelity_report import BUSY_GAP_S
 from bench.profile import monotone
-from executor.server_process import start_server, stop_server
+from executor.server_process import attach_server_args, ready_fields, start_server, stop_server
 from policy.config import format_policy, policy_from_dict
 from sim.api import git_commit, machine
 from policy.shape import state_bytes
@@ -326,12 +327,14 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
 
 
 def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, command: str,
-               server_args: Sequence[str], served_model: str = "") -> Profile:
+               server_args: Sequence[str], served_model: str = "",
+               invariant_rows: int | None | str = "base") -> Profile:
     """The measured Profile: the server's tables and loop time, the base profile's keep,
-    restore, copy rate, shape and invariant rows. Raises ValueError when the base profile
-    has no measured table cost (keep and restore curves). The gpu, model, shape and invariant
-    rows are the base's too: measure against the base's model shape on the base's GPU (the
-    server's own model id goes to the provenance as served_model)."""
+    restore, copy rate and shape. invariant_rows: the server's (rows, or None for no grid;
+    "base": the base profile's). Raises ValueError when the base profile has no measured
+    table cost (keep and restore curves). The gpu, model and shape are the base's too:
+    measure against the base's model shape on the base's GPU (the server's own model id
+    goes to the provenance as served_model)."""
     if not isinstance(base.cost, TableCost):
         raise ValueError(f"--base {base.name}: needs a measured (table) profile for its keep and restore curves")
     rows, ctx, lanes = (tuple(map(float, v)) for v in (grid.rows, grid.contexts, grid.lanes))
@@ -346,8 +349,11 @@ def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, comman
                   ("commit", git_commit()), ("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")),
                   ("base", base.name), ("served_model", served_model), ("steps", str(served.steps)),
                   ("machine", machine()))
+    grid_rows = base.invariant_rows if invariant_rows == "base" else invariant_rows
+    if grid_rows != base.invariant_rows:
+        notes += f"; invariant_rows {grid_rows}: the server's (the base's: {base.invariant_rows})"
     return Profile(name=name, source="measured", gpu=base.gpu, model=base.model, shape=base.shape,
-                   invariant_rows=base.invariant_rows, cost=cost, notes=notes, provenance=provenance)
+                   invariant_rows=grid_rows, cost=cost, notes=notes, provenance=provenance)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -361,8 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=900.0, help="server start limit (default: 900)")
     ap.add_argument("--repeat", type=int, default=None,
                     help="requests a prefill point, their median its time (default: the grid's: full 3, quick 2, "
-                         "tiny 2; more repeats, less noise: bench/RESULTS.md session 13)")
-    args = ap.parse_args(argv)
+                         "tiny 2; 5 fitted no better than 3 on the 2B: bench/RESULTS.md session 17)")
+    args = ap.parse_args(attach_server_args(argv))
     try:
         try:
             base = load_profile(args.base)
@@ -391,6 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     proc = None
     try:
         proc, url, _ = start_server(server_args, args.out / "server.log", args.timeout_s)
+        ready = ready_fields(args.out / "server.log")
+        if "invariant_rows" not in ready:
+            raise RuntimeError(f"no invariant_rows in the server's ready line ({args.out / 'server.log'})")
+        grid_rows = ready["invariant_rows"]
+        if grid_rows != base.invariant_rows:
+            print(f"note: the server resumes on invariant_rows {grid_rows}, --base {base.name} on "
+                  f"{base.invariant_rows}: the profile takes the server's", flush=True)
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
             model = json.loads(resp.read())["data"][0]["id"]
         print(f"{args.name}: server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -402,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if proc is not None:
             stop_server(proc, 30.0)
-    profile = to_profile(served, grid, base, args.name, command, server_args, model)
+    profile = to_profile(served, grid, base, args.name, command, server_args, model, grid_rows)
     path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
     h = served.host

@@ -65,7 +65,7 @@ import attrs
 
 from executor.chat import ChatRenderer, builtin_template, load_template
 from executor.metrics import STEP_PHASES
-from executor.server_process import start_server, stop_server
+from executor.server_process import attach_server_args, ready_fields, start_server, stop_server
 from executor.tokenizer import default_tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,13 +194,10 @@ class Server:
 def ready_start_grid(log: Path) -> int:
     """The `start_grid` of a started server's `ready` log line: the row grid its request
     starts cut and keep on (its backend's invariant grid with snap_starts on, else 1)."""
-    for line in log.read_text(errors="replace").splitlines():
-        if '"ready"' in line:
-            try:
-                return int(json.loads(line).get("start_grid") or 1)
-            except (ValueError, TypeError):
-                break
-    return 1
+    try:
+        return int(ready_fields(log).get("start_grid") or 1)
+    except (ValueError, TypeError):
+        return 1
 
 
 # --- one turn -------------------------------------------------------------------------------------
@@ -618,7 +615,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="longest wait for a started server's ready line (default: 900)")
     ap.add_argument("--trace-dir", type=Path, metavar="DIR", help="keep the started servers' traces and logs here")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the receipt as JSON (also after each server)")
-    return ap.parse_args(argv)
+    return ap.parse_args(attach_server_args(argv))
 
 
 def write_receipt(path: Path, args: argparse.Namespace, s: Settings, env: dict[str, Any],

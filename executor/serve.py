@@ -143,6 +143,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--snap-starts", action=argparse.BooleanOptionalAction, default=None,
                     help="on a backend with an invariant grid g (numba-cuda: 64), cut and keep at the multiple "
                          f"of g at or below each request start (default: {p.snap_starts})")
+    ap.add_argument("--short-first", action=argparse.BooleanOptionalAction, default=None,
+                    help="a prefill that fits one chunk runs before an older, longer one (at most --lanes times in "
+                         f"a row); off: first come, first served (default: {p.short_first})")
     ap.add_argument("--warm-quiet-ms", type=float, metavar="MS",
                     help=f"quiet before a warm pass starts (default: {p.warm_quiet_ms:g})")
     ap.add_argument("--lanes", type=int, metavar="N", help=f"streams active at once (default: {p.lanes})")
@@ -176,7 +179,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ValueError(f"--prompt-cache-gib must be >= 0, got {args.prompt_cache_gib}")
         changes["prompt_cache_bytes"] = round(args.prompt_cache_gib * GIB)
     for flag, name in (("request_starts", "request_starts"), ("snap_starts", "snap_starts"),
-                       ("warm_quiet_ms", "warm_quiet_ms"), ("lanes", "lanes")):
+                       ("short_first", "short_first"), ("warm_quiet_ms", "warm_quiet_ms"), ("lanes", "lanes")):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
     if changes:
@@ -290,11 +293,13 @@ def _git_commit() -> str | None:
     return (commit + ("+dirty" if changed.stdout.strip() else "")) or None
 
 
-def _write_meta(cfg: ServeConfig, model: str, backend: str, context_rows: int) -> None:
-    """Beside the trace: the command, commit and resolved config (as the simulator does)."""
+def _write_meta(cfg: ServeConfig, model: str, backend: str, context_rows: int, invariant_rows: int | None) -> None:
+    """Beside the trace: the command, commit and resolved config (as the simulator does), and
+    the backend's invariant grid (`BackendFacts.invariant_rows`, rows; null: none), which the
+    simulator needs to resume where this server can (bench/fidelity.py reads it)."""
     assert cfg.trace is not None
     meta = {"command": sys.argv, "commit": _git_commit(), "model": model, "backend": backend,
-            "context_rows": context_rows, "policy": policy_to_dict(cfg.policy)}
+            "context_rows": context_rows, "invariant_rows": invariant_rows, "policy": policy_to_dict(cfg.policy)}
     cfg.trace.with_name(cfg.trace.name + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -480,7 +485,7 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asy
     config = model.config
     stop_ids = set(config.eos_token_ids) | {t for name in STOP_TOKENS if (t := tokenizer.token_to_id(name)) is not None}
     if cfg.trace:
-        _write_meta(cfg, model.model_name, backend_name, context_rows)
+        _write_meta(cfg, model.model_name, backend_name, context_rows, runtime.facts.invariant_rows)
     api = Api(runtime, renderer, ApiConfig(model_id=model.model_id, context_rows=context_rows,
                                            stop_ids=frozenset(stop_ids)))
     runner = web.AppRunner(build_app(api), handler_cancellation=True, access_log=None)

@@ -5,6 +5,7 @@ serves.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"^ready (http://\S+)$")
@@ -45,6 +47,43 @@ def start_server(args: Sequence[str], log_path: Path, timeout_s: float) -> tuple
             continue
         if match:
             return proc, match.group(1), command
+
+
+def attach_server_args(argv: Sequence[str] | None) -> list[str]:
+    """argv (default: sys.argv[1:]) with each `--server-args VALUE` written as
+    `--server-args=VALUE`, so that a VALUE that is one flag (`--no-engine-process`) is taken
+    as the value: argparse reads a lone word starting with "-" as an option of its own."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--server-args" and i + 1 < len(args):
+            out.append(f"--server-args={args[i + 1]}")
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def ready_fields(log_path: Path) -> dict[str, Any]:
+    """The fields of the `ready` line a started server logged (structlog JSON in its stderr
+    log: url, model, backend, context_rows, policy, invariant_rows, start_grid,
+    engine_process); {} when the log has no such line or it is not JSON."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        if '"ready"' not in line:
+            continue
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(fields, dict) and fields.get("event") == "ready":
+            return fields
+    return {}
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> int | None:

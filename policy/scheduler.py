@@ -105,6 +105,7 @@ class Scheduler:
         self._inflight: Step | None = None
         self._next_stream = 0
         self._admission_effects: list[object] = []
+        self._passed_over = 0  # short_first: times in a row the oldest prefill gave way
 
     # --- reading ---------------------------------------------------------------------
     @property
@@ -340,10 +341,20 @@ class Scheduler:
                         p.restore, keep, copy)
 
     def _foreground_chunk(self) -> ChunkRun | None:
-        for lane in self._lanes.values():
-            if lane.phase is Phase.PREFILL and not lane.cancelled:
-                return self._chunk_run(lane.pass_, lane.request)
-        return None
+        """The next foreground chunk: the oldest admitted prefill's, or with `short_first`
+        the oldest one-chunk prefill's ahead of an older longer one (at most `lanes` times
+        in a row)."""
+        waiting = [lane for lane in self._lanes.values() if lane.phase is Phase.PREFILL and not lane.cancelled]
+        if not waiting:
+            return None
+        pick = waiting[0]
+        if self.cfg.short_first and len(pick.pass_.chunks) > 1 and self._passed_over < self.cfg.lanes:
+            short = next((lane for lane in waiting[1:] if len(lane.pass_.chunks) == 1), None)
+            if short is not None:
+                self._passed_over += 1
+                return self._chunk_run(short.pass_, short.request)
+        self._passed_over = 0
+        return self._chunk_run(pick.pass_, pick.request)
 
     def _warm_chunk(self, now: float) -> ChunkRun | None:
         if not is_quiet(now, self._quiet_since, self.cfg):

@@ -37,12 +37,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget_states=st.sampled_from([0, 1, 3, 50]),
         lanes=st.integers(1, 3),
         grid_facts=st.sampled_from([None, 8, 16]),
+        short_first=st.booleans(),
     )
-    def setup(self, grid, chunk, starts_on, warm, budget_states, lanes, grid_facts):
+    def setup(self, grid, chunk, starts_on, warm, budget_states, lanes, grid_facts, short_first):
         budget = budget_states * (SHAPE.fixed_bytes + 200 * SHAPE.row_bytes)
         self.cfg = PolicyConfig(grid_rows=grid, max_chunk_rows=chunk, request_starts=starts_on,
                                 warm_enabled=warm, prompt_cache_bytes=budget, lanes=lanes,
-                                tail_rows=8, warm_quiet_ms=5.0, queue_rows=16)
+                                tail_rows=8, warm_quiet_ms=5.0, queue_rows=16, short_first=short_first)
         self.facts = BackendFacts(grid_facts)
         self.reqs: dict[str, Request] = {}
         self.checker = Checker(self.cfg, self.facts, self.reqs)

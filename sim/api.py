@@ -121,11 +121,13 @@ def simulate(
                      dict(summary.ttft_by_request), dict(summary.cached_by_request), summary.events)
 
 
-def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """This machine as a profile's provenance names it: "HOSTNAME (CPU MODEL, N CPUs)", the CPU
-    model read from `cpuinfo` ("unknown CPU" where it cannot be read). Why: two calls' H200
-    machines ran the same 2B server ~15% apart (bench/RESULTS.md, session 13), so a measured
-    profile says where it was measured."""
+def machine(cpuinfo: Path = Path("/proc/cpuinfo"), boot_id: Path = Path("/proc/sys/kernel/random/boot_id")) -> str:
+    """This machine as a profile's provenance names it: "HOSTNAME (CPU MODEL, N CPUs, boot
+    B)", the CPU model read from `cpuinfo` ("unknown CPU" where it cannot be read) and B the
+    first 8 characters of the kernel's `boot_id` (left out where it cannot be read). Why: two
+    calls' H200 machines ran the same 2B server ~15% apart (bench/RESULTS.md, session 13), and
+    lent machines share a hostname and a CPU model (a fresh-user review, session 19): the boot
+    tells one machine, or one start of it, from another."""
     model = "unknown CPU"
     try:
         for line in cpuinfo.read_text().splitlines():
@@ -134,7 +136,11 @@ def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
                 break
     except OSError:
         pass
-    return f"{platform.node() or 'unknown host'} ({model}, {os.cpu_count()} CPUs)"
+    try:
+        boot = boot_id.read_text().strip()[:8]
+    except OSError:
+        boot = ""
+    return f"{platform.node() or 'unknown host'} ({model}, {os.cpu_count()} CPUs{f', boot {boot}' if boot else ''})"
 
 
 def git_commit() -> str:

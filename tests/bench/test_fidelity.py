@@ -13,7 +13,7 @@ import attrs
 
 import pytest
 
-from bench.fidelity import Rendered, machine_lines, main, sim_workload
+from bench.fidelity import Rendered, grid_rows, machine_lines, main, sim_workload
 from bench.fidelity_plan import PLANS, make_plan
 from bench.fidelity_report import (
     ACTIVE_BUCKETS,
@@ -166,7 +166,7 @@ def test_sim_workload_replays_the_record():
     assert planned.conversations[0].turns[1].think_s == 1.25
 
 
-def tiny_profile(path) -> str:
+def tiny_profile(path, invariant_rows: int | None = None) -> str:
     """A fixed table profile of the tiny model, about as fast as the reference backend on an idle
     CPU. Not measured here: on a shared CPU a profile measured during a load spike is many times
     too slow, and the simulated warm passes then miss their quiet windows (bench/profile.py's own
@@ -175,7 +175,7 @@ def tiny_profile(path) -> str:
                      decode=Grid(x=(1.0, 16.0), y=(0.0, 4096.0), seconds=((0.005, 0.006), (0.06, 0.07))),
                      copy_bytes_per_s=1e9)
     profile = Profile(name="tiny-fixed", source="measured", gpu="CPU", model="tiny-qwen3_5-v1",
-                      shape=tiny_config().shape, invariant_rows=None, cost=cost)
+                      shape=tiny_config().shape, invariant_rows=invariant_rows, cost=cost)
     path.write_text(json.dumps(profile_to_dict(profile)))
     return str(path)
 
@@ -275,11 +275,40 @@ def test_fidelity_against_the_tiny_server(tmp_path, capsys):
     assert json.loads((out / "report.json").read_text())["cached_equal"] == n
     meta_path = out / "server_trace.jsonl.meta.json"
     meta = json.loads(meta_path.read_text())
+    assert "invariant_rows" in meta and meta["invariant_rows"] is None  # the reference backend has no grid
+
+    # a profile measured on a 64-row grid (a GPU base, say): the simulator still resumes where
+    # this server does (the default, --invariant-rows server) and says so; forced onto the
+    # profile's grid it keeps other rows than the server, and the run fails
+    gridded = tiny_profile(tmp_path / "tiny64.json", invariant_rows=64)
+    capsys.readouterr()
+    assert main(["--replay", "--profile", gridded, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "invariant_rows None" in text and "note: the profile was measured with invariant_rows 64" in text
+    assert main(["--replay", "--profile", gridded, "--out", str(out), "--invariant-rows", "profile"]) == 1
+    text = capsys.readouterr().out
+    assert "note: the simulator resumes on invariant_rows 64, the server on None" in text
+    assert json.loads((out / "report.json").read_text())["cached_equal"] < n
     meta["policy"]["request_starts"] = False
     meta_path.write_text(json.dumps(meta))
     assert main(["--replay", "--profile", profile, "--out", str(out)]) == 1
     planted = json.loads((out / "report.json").read_text())
     assert planted["cached_equal"] < n and "CACHED DIFFERS" in (out / "report.txt").read_text()
+
+
+def test_grid_rows_by_choice():
+    p = Profile(name="p", source="measured", gpu="CPU", model="m", shape=tiny_config().shape, invariant_rows=64,
+                cost=TableCost(prefill=Grid(x=(1.0,), y=(0.0,), seconds=((0.001,),)),
+                               decode=Grid(x=(1.0,), y=(0.0,), seconds=((0.001,),)), copy_bytes_per_s=1e9))
+    assert grid_rows("server", p, {"invariant_rows": None}) is None
+    assert grid_rows("server", p, {"invariant_rows": 32}) == 32
+    assert grid_rows("server", p, {}) == 64  # a meta recorded before the field: the profile's
+    assert grid_rows("profile", p, {"invariant_rows": None}) == 64
+    assert grid_rows("none", p, {"invariant_rows": 64}) is None
+    assert grid_rows("128", p, {}) == 128
+    for bad in ("0", "grid", "-64"):
+        with pytest.raises(ValueError, match="--invariant-rows"):
+            grid_rows(bad, p, {})
 
 
 def test_machine_lines_note_a_profile_from_another_machine():
@@ -293,5 +322,13 @@ def test_machine_lines_note_a_profile_from_another_machine():
 def test_machine_names_host_cpu_model_and_count(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t: x\n")
-    assert machine(info).endswith(f"(Test CPU 9000, {os.cpu_count()} CPUs)")
+    boot = tmp_path / "boot_id"
+    boot.write_text("0123abcd-4567-89ef-0123-456789abcdef\n")
+    assert machine(info, boot).endswith(f"(Test CPU 9000, {os.cpu_count()} CPUs, boot 0123abcd)")
+    assert machine(info, tmp_path / "no-boot").endswith(f"(Test CPU 9000, {os.cpu_count()} CPUs)")
     assert "(unknown CPU," in machine(tmp_path / "missing")
+    # two starts of one host with one CPU model are two machines
+    other = tmp_path / "boot_id2"
+    other.write_text("ffff0000-0000-0000-0000-000000000000\n")
+    assert machine(info, boot) != machine(info, other)
+    assert len(machine_lines(machine(info, boot), machine(info, other))) == 2

@@ -121,7 +121,9 @@ def test_profile_takes_the_server_tables_and_the_base_copies():
     assert p.cost.host == HostCost(step_s=2.5e-4, lane_s=1e-5, chunk_s=2e-4)
     assert "hand-off, 100 us" in p.notes
     assert p.cost.keep == base.cost.keep and p.cost.restore == base.cost.restore and p.shape == base.shape
-    assert p.invariant_rows == 64 and p.source == "measured"
+    assert p.invariant_rows == 64 and p.source == "measured"  # "base" by default
+    assert to_profile(served, grid, base, "t", "c", [], invariant_rows=None).invariant_rows is None
+    assert to_profile(served, grid, base, "t", "c", [], invariant_rows=64).notes == p.notes
     assert dict(p.provenance)["base"] == "tiny-base" and dict(p.provenance)["server_args"] == "--x"
     assert dict(p.provenance)["machine"] == machine()
     analytic = load_profile("qwen3.5-2b-h200-roofline")
@@ -138,6 +140,10 @@ def test_a_tiny_server_run_writes_a_profile_the_simulator_loads(tmp_path, capsys
     text = capsys.readouterr().out
     p = load_profile(out / "tiny-served.json")
     grid = attrs.evolve(GRIDS["tiny"], repeat=3)  # --repeat 3 over the tiny grid's 2
+    # the reference server has no invariant grid: the profile takes the server's, not the base's 64
+    assert load_profile(base).invariant_rows == 64 and p.invariant_rows is None
+    assert "note: the server resumes on invariant_rows None, --base tiny-base on 64" in text
+    assert "invariant_rows None: the server's (the base's: 64)" in p.notes
     assert "median of 3 requests a prefill point" in p.notes
     assert p.cost.prefill.x == tuple(map(float, grid.rows)) and p.cost.decode.x == tuple(map(float, grid.lanes))
     assert all(s > 0 for row in p.cost.prefill.seconds for s in row)

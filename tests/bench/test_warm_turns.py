@@ -168,3 +168,17 @@ def test_chat_requests_share_one_kept_alive_connection():
         server.drop_connection()
     finally:
         assert served.stop() == 0
+
+
+def test_server_args_may_be_one_flag():
+    """argparse takes a lone "--flag" value for an option of its own; the bench tools take it
+    as --server-args' value (a fresh-user run of `--server-args --no-engine-process` failed)."""
+    from executor.server_process import attach_server_args
+
+    wt = _module()
+    assert wt.parse_args(["--server-args", "--no-engine-process", "--repeat", "2"]).server_args == "--no-engine-process"
+    assert wt.parse_args(["--server-args", "--random-weights qwen3.5-27b --backend cuda"]).server_args == (
+        "--random-weights qwen3.5-27b --backend cuda")
+    assert attach_server_args(["--repeat", "1", "--server-args", "-x", "--cases", "on-grid"]) == [
+        "--repeat", "1", "--server-args=-x", "--cases", "on-grid"]
+    assert attach_server_args(["--server-args"]) == ["--server-args"]  # argparse then names the missing value

@@ -33,6 +33,8 @@ def test_flags_override_the_policy_file(tmp_path):
     assert (cfg.context_rows, cfg.port) == (128, 0)
     assert config_from_args(parse_args(["--prompt-cache-gib", "0"])).policy.warm_active is False
     assert config_from_args(parse_args(["--no-snap-starts"])).policy.snap_starts is False
+    assert config_from_args(parse_args(["--no-short-first"])).policy.short_first is False
+    assert config_from_args(parse_args([])).policy.short_first is True
     assert config_from_args(parse_args([])).engine_process is True
     assert config_from_args(parse_args(["--no-engine-process"])).engine_process is False
     assert config_from_args(parse_args([])).prefill_graphs is True

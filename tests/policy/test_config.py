@@ -30,7 +30,7 @@ def test_defaults_match_design():
 def test_fields_in_declaration_order():
     assert policy_fields() == (
         "grid_rows", "request_starts", "snap_starts", "max_chunk_rows", "tail_rows", "warm_enabled",
-        "warm_quiet_ms", "prompt_cache_bytes", "lanes", "queue_rows", "idle_half_life_s",
+        "warm_quiet_ms", "prompt_cache_bytes", "lanes", "queue_rows", "idle_half_life_s", "short_first",
     )
 
 
@@ -48,6 +48,7 @@ def test_format_policy_text():
         "lanes = 16",
         "queue_rows = 1024",
         "idle_half_life_s = 600.0",
+        "short_first = true",
     ]
     assert text.endswith("\n")
 

@@ -30,6 +30,7 @@ def test_shipped_policies_parse_and_default_equals_the_config_class():
     assert parse_policy((ROOT / "policies/no-warm.toml").read_text()) == PolicyConfig(warm_enabled=False)
     assert parse_policy((ROOT / "policies/no-cache.toml").read_text()) == PolicyConfig(prompt_cache_bytes=0)
     assert parse_policy((ROOT / "policies/exact-starts.toml").read_text()) == PolicyConfig(snap_starts=False)
+    assert parse_policy((ROOT / "policies/fcfs.toml").read_text()) == PolicyConfig(short_first=False)
 
 
 def test_main_job_with_no_flags_runs_as_a_new_user_would():
