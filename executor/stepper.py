@@ -109,7 +109,8 @@ class Outcome:
     """How many of `tokens` (a prefix) went to `Stepper.publish` while the step ran; the
     runtime's commit delivers the rest."""
     published_s: float | None = None
-    """Seconds from the step's start to its last early publish (None: none)."""
+    """Seconds from the step's start to its last early publish, taken as the tokens leave
+    the worker, before `Stepper.publish` hands them on (None: none)."""
     started: float = 0.0
     """perf_counter() seconds when the step started in the worker."""
     stopped: set[int] = attrs.field(factory=set)
@@ -259,11 +260,15 @@ class Stepper:
             out.stopped.add(stream)
 
     def _publish(self, out: Outcome, more: bool) -> None:
-        """Hand the tokens not yet published to `publish` when the step has `more` work."""
+        """Hand the tokens not yet published to `publish` when the step has `more` work;
+        `Outcome.published_s` is stamped as they leave, before `publish` (which may wait for
+        the loop thread: stamped after it, a contended hand-off read as a late publish, and
+        a CPU test saw the engine "publish" after the client had the token)."""
         if more and self.publish is not None and len(out.tokens) > out.published:
-            self.publish(out.tokens[out.published :])
-            out.published = len(out.tokens)
             out.published_s = time.perf_counter() - out.started
+            tokens = out.tokens[out.published :]
+            out.published = len(out.tokens)
+            self.publish(tokens)
 
     def _take(self, live: Live, token: int, out: Outcome) -> None:
         """Record one sampled token: the text it releases, and whether it ends the reply."""

@@ -520,3 +520,33 @@ def test_first_token_reaches_the_client_before_its_steps_keep(model, monkeypatch
     assert [t for e in events for t in e.token_ids] == list(done.token_ids) == _ids(tok, "hey there friend")[:3]
     assert "".join(e.text for e in events) == done.text
     assert again.cached_tokens == again.prompt_tokens and again.token_ids == done.token_ids
+
+
+def test_published_s_is_stamped_as_the_tokens_leave_not_after_the_hand_off():
+    """`Outcome.published_s` is the moment the worker hands first tokens on, before
+    `Stepper.publish` returns: the runtime's publish waits for the loop thread (up to
+    PUBLISH_WAIT_S), and a stamp after it read a contended hand-off as a late publish (a CPU
+    run had the engine "publish" 0.6 ms after the client had the token)."""
+    import time
+
+    from executor.stepper import Outcome, Stepper
+
+    stepper = Stepper.__new__(Stepper)  # no backend needed for _publish
+    calls: list[tuple[float, int]] = []
+
+    def slow_publish(tokens):
+        calls.append((time.perf_counter(), len(tokens)))
+        time.sleep(0.05)
+
+    stepper.publish = slow_publish
+    out = Outcome()
+    out.started = time.perf_counter()
+    out.tokens = [(None, 1, "a"), (None, 2, "b")]
+    stepper._publish(out, more=True)
+    assert calls and calls[0][1] == 2 and out.published == 2
+    assert out.published_s <= calls[0][0] - out.started < 0.05  # not the 50 ms the hand-off took
+    stepper._publish(out, more=True)  # nothing new: no call, no new stamp
+    assert len(calls) == 1
+    out.tokens.append((None, 3, "c"))
+    stepper._publish(out, more=False)  # no more work in the step: the commit delivers it
+    assert len(calls) == 1 and out.published == 2
