@@ -207,7 +207,12 @@ def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str,
         notes.append(f"note: the profile was measured with invariant_rows {profile.invariant_rows}; the server "
                      f"and the simulator use {facts.invariant_rows}")
     workload = sim_workload(rendered, records, server_events, arrivals)
-    sim_events = run_sim(workload, meta["policy"], profile, facts, out / "sim_trace.jsonl")
+    policy = dict(meta["policy"])
+    if "short_first" not in policy:  # a server from before the field ran first come, first served
+        policy["short_first"] = False
+        notes.append("note: the server's policy has no short_first (recorded before it existed); the simulator "
+                     "runs it off, as that server did")
+    sim_events = run_sim(workload, policy, profile, facts, out / "sim_trace.jsonl")
     rid = {r["server_request"]: (r["conversation"], r["turn"]) for r in records if "server_request" in r}
     sim_key = lambda request: (request.rsplit("/", 1)[0], int(request.rsplit("/", 1)[1]))
     comparison = compare(trace_facts(server_events, rid.get), trace_facts(sim_events, sim_key))

@@ -2,9 +2,10 @@
 
     python -m executor.serve [--model DIR | --random-weights PRESET [--seed N]]
         [--backend auto|cuda|reference] [--host H] [--port P] [--prompt-cache-gib G]
-        [--request-starts | --no-request-starts] [--warm-quiet-ms MS] [--lanes N]
-        [--context ROWS] [--engine-process | --no-engine-process] [--trace FILE]
-        [--policy FILE.toml]
+        [--request-starts | --no-request-starts] [--snap-starts | --no-snap-starts]
+        [--short-first | --no-short-first] [--warm-quiet-ms MS] [--lanes N] [--context ROWS]
+        [--decode-graphs | --no-decode-graphs] [--prefill-graphs | --no-prefill-graphs]
+        [--engine-process | --no-engine-process] [--trace FILE] [--policy FILE.toml]
 
 With no --model it serves the built-in tiny random Qwen3.5 (real tokenizer).
 --random-weights serves seeded random weights made on the GPU at a published size's shape
@@ -144,7 +145,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="on a backend with an invariant grid g (numba-cuda: 64), cut and keep at the multiple "
                          f"of g at or below each request start (default: {p.snap_starts})")
     ap.add_argument("--short-first", action=argparse.BooleanOptionalAction, default=None,
-                    help="a prefill that fits one chunk runs before an older, longer one (at most --lanes times in "
+                    help="a prefill with at most max_chunk_rows rows left runs before an older, longer one (at most --lanes times in "
                          f"a row); off: first come, first served (default: {p.short_first})")
     ap.add_argument("--warm-quiet-ms", type=float, metavar="MS",
                     help=f"quiet before a warm pass starts (default: {p.warm_quiet_ms:g})")

@@ -52,6 +52,11 @@ class _Pass:
         return cut_fingerprint(self.cuts, row, facts)
 
 
+def _rows_left(p: _Pass) -> int:
+    """Rows the pass has still to prefill (its remaining chunks)."""
+    return p.chunks[-1].end - p.chunks[0].start if p.chunks else 0
+
+
 @attrs.define(eq=False)
 class _Lane:
     request: Request
@@ -342,14 +347,17 @@ class Scheduler:
 
     def _foreground_chunk(self) -> ChunkRun | None:
         """The next foreground chunk: the oldest admitted prefill's, or with `short_first`
-        the oldest one-chunk prefill's ahead of an older longer one (at most `lanes` times
-        in a row)."""
+        that of the oldest prefill with at most `max_chunk_rows` rows left, ahead of an
+        older one with more (at most `lanes` times in a row; the count is the scheduler's,
+        reset whenever the oldest prefill runs). Rows, not chunks: a chat turn of a few rows
+        has two chunks (its generation prompt's start is a cut)."""
         waiting = [lane for lane in self._lanes.values() if lane.phase is Phase.PREFILL and not lane.cancelled]
         if not waiting:
             return None
         pick = waiting[0]
-        if self.cfg.short_first and len(pick.pass_.chunks) > 1 and self._passed_over < self.cfg.lanes:
-            short = next((lane for lane in waiting[1:] if len(lane.pass_.chunks) == 1), None)
+        short_rows = self.cfg.max_chunk_rows
+        if self.cfg.short_first and _rows_left(pick.pass_) > short_rows and self._passed_over < self.cfg.lanes:
+            short = next((lane for lane in waiting[1:] if _rows_left(lane.pass_) <= short_rows), None)
             if short is not None:
                 self._passed_over += 1
                 return self._chunk_run(short.pass_, short.request)

@@ -289,6 +289,16 @@ def test_fidelity_against_the_tiny_server(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "note: the simulator resumes on invariant_rows 64, the server on None" in text
     assert json.loads((out / "report.json").read_text())["cached_equal"] < n
+
+    # a run recorded before the meta had invariant_rows and the policy short_first: the
+    # profile's grid, and first come, first served (as those servers ran), each with a note
+    old = {**meta, "policy": {k: v for k, v in meta["policy"].items() if k != "short_first"}}
+    del old["invariant_rows"]
+    meta_path.write_text(json.dumps(old))
+    capsys.readouterr()
+    assert main(["--replay", "--profile", profile, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "note: the server's policy has no short_first" in text and "has no invariant_rows" in text
     meta["policy"]["request_starts"] = False
     meta_path.write_text(json.dumps(meta))
     assert main(["--replay", "--profile", profile, "--out", str(out)]) == 1

@@ -17,18 +17,18 @@ SHAPE = ModelShape(linear_layers=3, attention_layers=1, linear_num_key_heads=1, 
                    num_key_value_heads=1, head_dim=4)
 
 
-def request(rid: str, rows: int, tag: int) -> Request:
-    return Request(id=rid, conversation=rid, prompt=Prompt.synthetic([(tag, rows)]), starts=(0,), max_tokens=1)
+def request(rid: str, rows: int, tag: int, starts: tuple[int, ...] = (0,)) -> Request:
+    return Request(id=rid, conversation=rid, prompt=Prompt.synthetic([(tag, rows)]), starts=starts, max_tokens=1)
 
 
-def chunk_order(short_first: bool, arrivals: list[tuple[str, int]], lanes: int = 8) -> list[tuple[str, int, int]]:
+def chunk_order(short_first: bool, arrivals: list[tuple], lanes: int = 8) -> list[tuple[str, int, int]]:
     """(request, start, end) of each step's prefill chunk, all requests arriving at t = 0 in
-    order, chunks of 16 rows, no cache."""
+    order ((id, rows) or (id, rows, request starts)), chunks of 16 rows, no cache."""
     cfg = PolicyConfig(max_chunk_rows=16, grid_rows=1024, prompt_cache_bytes=0, warm_enabled=False, lanes=lanes,
                        short_first=short_first)
     sched = Scheduler(cfg, BackendFacts(None), SHAPE, emit=lambda e: None)
-    for i, (rid, rows) in enumerate(arrivals):
-        sched.arrive(request(rid, rows, 100 + i), 0.0)
+    for i, (rid, rows, *starts) in enumerate(arrivals):
+        sched.arrive(request(rid, rows, 100 + i, *starts), 0.0)
     order, now = [], 0.0
     for _ in range(200):
         step = sched.next_step(now)
@@ -54,6 +54,17 @@ def test_a_one_chunk_request_goes_before_an_older_longer_prefill():
     # the oldest (a two-chunk request does not jump ahead)
     assert order == [("short", 0, 10), ("short2", 0, 16), ("long", 0, 16), ("long", 16, 32), ("long", 32, 48),
                      ("long", 48, 64), ("two", 0, 16), ("two", 16, 20)]
+
+
+def test_short_is_by_rows_left_not_by_chunks():
+    """A chat turn of a few rows has two chunks (its generation prompt's start is a cut, as
+    the server renders it): it is short all the same (a fresh-user review found the chunk
+    count let no chat request through)."""
+    order = chunk_order(True, [("long", 64), ("chat", 15, (0, 10))])
+    assert order[:3] == [("chat", 0, 10), ("chat", 10, 15), ("long", 0, 16)]
+    assert chunk_order(False, [("long", 64), ("chat", 15, (0, 10))])[-2:] == [("chat", 0, 10), ("chat", 10, 15)]
+    # 17 rows left is more than one chunk's worth: not short
+    assert chunk_order(True, [("long", 64), ("mid", 17)])[0] == ("long", 0, 16)
 
 
 def test_the_last_chunk_of_a_longer_request_counts_as_one_chunk():
