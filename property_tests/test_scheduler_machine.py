@@ -13,7 +13,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from policy.config import PolicyConfig
 from policy.prefix import Prompt
-from policy.scheduler import Scheduler
+from policy.keep import PassKind
+from policy.scheduler import Phase, Scheduler, _rows_left
 from policy.shape import ModelShape
 from policy.usable import BackendFacts
 from policy.work import Request
@@ -84,6 +85,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         step = self.sched.next_step(self.now)
         self.sched.take_effects()
         self.inflight = step
+        self._check_prefill_order(step)
+
+    def _check_prefill_order(self, step):
+        """Which foreground prefill ran (PolicyConfig.short_first): the oldest waiting one,
+        or, with short_first, the oldest with at most max_chunk_rows rows left ahead of an
+        older one with more, at most `lanes` times in a row; a warm chunk only when none waits."""
+        waiting = [(s, lane) for s, lane in self.sched._lanes.items()
+                   if lane.phase is Phase.PREFILL and not lane.cancelled]
+        if step is None or not waiting:
+            return
+        assert step.prefill is not None and step.prefill.kind is not PassKind.WARM
+        oldest = waiting[0][0]
+        if step.prefill.stream == oldest:
+            assert self.sched._passed_over == 0
+            return
+        limit = self.cfg.max_chunk_rows
+        shorts = [s for s, lane in waiting[1:] if _rows_left(lane.pass_) <= limit]
+        assert self.cfg.short_first and _rows_left(waiting[0][1].pass_) > limit
+        assert step.prefill.stream == shorts[0] and 1 <= self.sched._passed_over <= self.cfg.lanes
 
     @precondition(lambda self: self.inflight is not None)
     @rule(dt=st.floats(0.0005, 0.01), stop=st.booleans())
