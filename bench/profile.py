@@ -181,6 +181,31 @@ def monotone(table: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(r) for r in out)
 
 
+STEEP_RAISE = 1.5
+"""A point `monotone` raises by more than this factor marks a noisy run (`steep_raises`)."""
+
+
+def steep_raises(name: str, table: Sequence[Sequence[float]], xs: Sequence[float], ys: Sequence[float],
+                 x_unit: str) -> list[str]:
+    """The points of `table` (seconds, [x][y]) that `monotone` raises by more than STEEP_RAISE
+    times, as "NAME X UNIT at context Y: a -> b ms": a spike on a loaded machine spreads over
+    every larger point (a fresh-user review's CPU profile priced 64 rows at 48 ms for one
+    32-row outlier, and its fidelity run then failed). Empty when the run looks clean."""
+    raised = monotone(table)
+    return [f"{name} {x:g} {x_unit} at context {y:g}: {table[i][j] * 1e3:.2f} -> {raised[i][j] * 1e3:.2f} ms"
+            for i, x in enumerate(xs) for j, y in enumerate(ys)
+            if table[i][j] > 0 and raised[i][j] > STEEP_RAISE * table[i][j]]
+
+
+def noisy_note(lines: list[str]) -> str | None:
+    """One warning line for `steep_raises` results (None when there are none)."""
+    if not lines:
+        return None
+    more = f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""
+    return (f"note: making the tables non-decreasing raised {len(lines)} points more than {STEEP_RAISE:g}x, "
+            f"e.g. {'; '.join(lines[:3])}{more}: the run was noisy; measure again on a quiet machine")
+
+
 def _median(values: list[float]) -> float:
     return float(np.median(values))
 
@@ -497,6 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = args.out / f"{profile.name}.json"
             path.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n", encoding="utf-8")
             print(table(profile))
+            note = noisy_note(steep_raises("prefill", m.prefill, grid.prefill_rows, grid.contexts, "rows")
+                              + steep_raises("decode", m.decode, grid.lanes, grid.contexts, "lanes"))
+            if note:
+                print(note, flush=True)
             print(f"{label}: wrote {path} ({time.perf_counter() - t0:.1f} s in all)", flush=True)
         except Exception:  # noqa: BLE001 - keep the other presets' profiles
             traceback.print_exc()

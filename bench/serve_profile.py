@@ -72,7 +72,7 @@ import attrs
 import numpy as np
 
 from bench.fidelity_report import BUSY_GAP_S
-from bench.profile import monotone
+from bench.profile import monotone, noisy_note, steep_raises
 from executor.server_process import attach_server_args, ready_fields, start_server, stop_server
 from policy.config import format_policy, policy_from_dict
 from sim.api import git_commit, machine
@@ -328,13 +328,14 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
 
 def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, command: str,
                server_args: Sequence[str], served_model: str = "",
-               invariant_rows: int | None | str = "base") -> Profile:
+               invariant_rows: int | None | str = "base", gpu: str | None = None) -> Profile:
     """The measured Profile: the server's tables and loop time, the base profile's keep,
     restore, copy rate and shape. invariant_rows: the server's (rows, or None for no grid;
     "base": the base profile's). Raises ValueError when the base profile has no measured
     table cost (keep and restore curves). The gpu, model and shape are the base's too:
     measure against the base's model shape on the base's GPU (the server's own model id
-    goes to the provenance as served_model)."""
+    goes to the provenance as served_model). gpu: the server's device where it is not the
+    base's (a CPU server measured against a GPU base: "CPU (reference backend)")."""
     if not isinstance(base.cost, TableCost):
         raise ValueError(f"--base {base.name}: needs a measured (table) profile for its keep and restore curves")
     rows, ctx, lanes = (tuple(map(float, v)) for v in (grid.rows, grid.contexts, grid.lanes))
@@ -352,7 +353,7 @@ def to_profile(served: Served, grid: ServeGrid, base: Profile, name: str, comman
     grid_rows = base.invariant_rows if invariant_rows == "base" else invariant_rows
     if grid_rows != base.invariant_rows:
         notes += f"; invariant_rows {grid_rows}: the server's (the base's: {base.invariant_rows})"
-    return Profile(name=name, source="measured", gpu=base.gpu, model=base.model, shape=base.shape,
+    return Profile(name=name, source="measured", gpu=gpu or base.gpu, model=base.model, shape=base.shape,
                    invariant_rows=grid_rows, cost=cost, notes=notes, provenance=provenance)
 
 
@@ -415,9 +416,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if proc is not None:
             stop_server(proc, 30.0)
-    profile = to_profile(served, grid, base, args.name, command, server_args, model, grid_rows)
+    gpu = "CPU (reference backend)" if ready.get("backend") == "reference" else None
+    profile = to_profile(served, grid, base, args.name, command, server_args, model, grid_rows, gpu)
     path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
+    note = noisy_note(steep_raises("prefill", served.prefill, grid.rows, grid.contexts, "rows")
+                      + steep_raises("decode", served.decode, grid.lanes, grid.contexts, "lanes"))
+    if note:
+        print(note, flush=True)
     h = served.host
     print(f"{args.name}: {served.steps} steps; hand-off {served.handoff_s * 1e6:.0f} us; host {h.step_s * 1e6:.0f} us "
           f"a step + {h.lane_s * 1e6:.1f} us a lane + {h.chunk_s * 1e6:.0f} us a chunk; wrote {path} "

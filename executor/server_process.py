@@ -50,14 +50,15 @@ def start_server(args: Sequence[str], log_path: Path, timeout_s: float) -> tuple
 
 
 def attach_server_args(argv: Sequence[str] | None) -> list[str]:
-    """argv (default: sys.argv[1:]) with each `--server-args VALUE` written as
-    `--server-args=VALUE`, so that a VALUE that is one flag (`--no-engine-process`) is taken
-    as the value: argparse reads a lone word starting with "-" as an option of its own."""
+    """argv (default: sys.argv[1:]) with each `--server-args VALUE` (or an abbreviation of
+    at least `--serv`, as argparse allows) written as `--server-args=VALUE`, so that a VALUE
+    that is one flag (`--no-engine-process`) is taken as the value: argparse reads a lone
+    word starting with "-" as an option of its own."""
     args = list(sys.argv[1:] if argv is None else argv)
     out: list[str] = []
     i = 0
     while i < len(args):
-        if args[i] == "--server-args" and i + 1 < len(args):
+        if len(args[i]) >= 6 and "--server-args".startswith(args[i]) and i + 1 < len(args):
             out.append(f"--server-args={args[i + 1]}")
             i += 2
             continue

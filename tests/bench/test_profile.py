@@ -234,3 +234,20 @@ def test_cli_errors_name_the_flag(capsys):
     assert "--presets is for --backend cuda" in capsys.readouterr().err
     assert main(["--backend", "reference", "--rows", "0,x"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_steep_raises_name_the_points_a_spike_lifted():
+    """One 48 ms outlier at 8 rows lifts every larger point; the tool says so (a fresh-user
+    review's CPU profile failed fidelity on such a table without a word)."""
+    from bench.profile import STEEP_RAISE, noisy_note, steep_raises
+
+    table = [[0.010, 0.011], [0.048, 0.012], [0.011, 0.013]]  # [rows][context]
+    lines = steep_raises("prefill", table, (1, 8, 32), (0, 32), "rows")
+    assert lines == ["prefill 8 rows at context 32: 12.00 -> 48.00 ms", "prefill 32 rows at context 0: 11.00 -> 48.00 ms",
+                     "prefill 32 rows at context 32: 13.00 -> 48.00 ms"]
+    assert STEEP_RAISE == 1.5 and steep_raises("decode", [[0.010, 0.014], [0.012, 0.015]], (1, 2), (0, 8), "lanes") == []
+    assert steep_raises("decode", [[0.010, 0.009]], (1,), (0, 8), "lanes") == []  # 1.11x: ordinary noise
+    note = noisy_note(lines)
+    assert note.startswith("note: making the tables non-decreasing raised 3 points more than 1.5x") and "quiet" in note
+    assert noisy_note([]) is None
+    assert "(and 2 more)" in noisy_note(lines + lines[:2])

@@ -144,6 +144,7 @@ def test_a_tiny_server_run_writes_a_profile_the_simulator_loads(tmp_path, capsys
     assert load_profile(base).invariant_rows == 64 and p.invariant_rows is None
     assert "note: the server resumes on invariant_rows None, --base tiny-base on 64" in text
     assert "invariant_rows None: the server's (the base's: 64)" in p.notes
+    assert p.gpu == "CPU (reference backend)"  # not the base's GPU
     assert "median of 3 requests a prefill point" in p.notes
     assert p.cost.prefill.x == tuple(map(float, grid.rows)) and p.cost.decode.x == tuple(map(float, grid.lanes))
     assert all(s > 0 for row in p.cost.prefill.seconds for s in row)

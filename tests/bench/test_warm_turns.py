@@ -182,3 +182,5 @@ def test_server_args_may_be_one_flag():
     assert attach_server_args(["--repeat", "1", "--server-args", "-x", "--cases", "on-grid"]) == [
         "--repeat", "1", "--server-args=-x", "--cases", "on-grid"]
     assert attach_server_args(["--server-args"]) == ["--server-args"]  # argparse then names the missing value
+    assert attach_server_args(["--server-arg", "-x"]) == attach_server_args(["--serv", "-x"]) == ["--server-args=-x"]
+    assert attach_server_args(["--ser", "-x"]) == ["--ser", "-x"]  # too short to be sure (--seed, --salt)
