@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from policy.config import PolicyConfig, parse_policy
-from sim.cli import build_parser, main
+from sim.cli import build_parser, changed_requests, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +67,17 @@ def test_diff_prints_side_by_side(capsys):
     base, change = row.split()[1:3]
     assert float(base.rstrip("%")) < float(change.rstrip("%"))
     assert "held in both runs" in out
+
+
+def test_diff_counts_a_ttft_change_only_beyond_float_noise():
+    """The same schedule summed in another order moves a TTFT by ~1e-13 s: not a change (a
+    review counted 77 such among 112 "changed" requests)."""
+    cached = {"a": 10, "b": 10, "c": 10, "d": 10, "e": 0}
+    base = {"a": 0.010, "b": 0.010, "c": 0.010, "d": 0.010}
+    change = {"a": 0.010 + 6e-13, "b": 0.0125, "c": 0.010, "e": 0.004}
+    moved = changed_requests(cached, {**cached, "c": 64}, base, change)
+    assert [m[2] for m in moved] == ["c", "b", "d", "e"]  # cached first; then by TTFT; a first token in one run only
+    assert moved[1][:2] == (0, pytest.approx(0.0025))
 
 
 def test_sweep_writes_csv_and_plots(tmp_path):
