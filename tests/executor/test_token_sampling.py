@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bench.sampling import FixedDraw, full_sort_sample
@@ -97,6 +97,12 @@ def _filtered_reference(logits: np.ndarray, params: SamplingParams, u: float) ->
     rest's mass, renormalised; u picks in that order."""
     scaled = np.asarray(logits, np.float64) / params.temperature
     probs = np.exp(scaled - scaled.max())
+    if not params.top_k and not params.min_p and params.top_p >= 1.0:
+        # no limit at all: `sample` draws in id order (its docstring). The same law as the
+        # sorted order, but another token where u lands in a token's sliver of mass: CI drew
+        # logits (-30, -3) at temperature 0.05 with u = 0.0, where token 0 holds 1e-235
+        cumulative = np.cumsum(probs)
+        return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), probs.size - 1))
     order = np.argsort(-probs, kind="stable")
     if params.top_k:
         order = order[: params.top_k]
@@ -119,6 +125,7 @@ def _filtered_reference(logits: np.ndarray, params: SamplingParams, u: float) ->
     min_p=st.sampled_from([0.0, 1e-9, 0.05, 0.5, 1.0]),
     u=st.floats(0.0, 1.0, exclude_max=True),
 )
+@example(logits=[-30.0, -3.0], temperature=0.05, top_p=1.0, top_k=0, min_p=0.0, u=0.0)  # found by CI
 def test_top_k_and_min_p_pick_what_their_definition_picks(logits, temperature, top_p, top_k, min_p, u):
     """top_k, then min_p, then top_p (vLLM's order), ties by lower id, for every draw u."""
     x = np.asarray(logits, np.float32)
