@@ -69,7 +69,7 @@ from executor.tokenizer import default_tokenizer, load_tokenizer
 from policy.config import format_policy, parse_policy, policy_from_dict
 from policy.prefix import Prompt
 from policy.usable import BackendFacts
-from sim.api import machine, simulate
+from sim.api import facts_for, machine, simulate
 from sim.cost import Profile, load_profile
 from sim.workload import Conversation, Turn, Workload
 
@@ -173,17 +173,10 @@ def grid_rows(choice: str, profile: Profile, meta: dict[str, Any]) -> int | None
     "profile", "none", or a row count. Raises ValueError on anything else."""
     if choice == "server":
         return meta.get("invariant_rows", profile.invariant_rows)
-    if choice == "profile":
-        return profile.invariant_rows
-    if choice == "none":
-        return None
     try:
-        rows = int(choice)
-    except ValueError:
-        raise ValueError(f"--invariant-rows must be server, profile, none or a row count, got {choice!r}") from None
-    if rows < 1:
-        raise ValueError(f"--invariant-rows must be >= 1, got {rows}")
-    return rows
+        return facts_for(profile, choice).invariant_rows
+    except ValueError as exc:
+        raise ValueError(f"--invariant-rows (server, profile, none or a row count): {exc}") from None
 
 
 def compare_run(out: Path, profile: Profile, invariant_rows: str, arrivals: str, model: Path | None,

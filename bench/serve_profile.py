@@ -39,11 +39,11 @@ and chunks are `chunk_rows` apart and whose prompt cache is PROMPT_CACHE_GIB (a
   (lane_s, and its intercept plus the hand-off as step_s), and the median excess after a
   prefill-only step (chunk_s).
 - keep, restore, copy_bytes_per_s and shape come from a base profile (--base:
-  bench/profile.py measures those in-process); invariant_rows is the server's own (its
-  `ready` log line), since the simulator must resume where this server does. Not from this server's own keeps:
-  its grid's keeps took 2.9x the base curve, the fidelity workload's 1.4x at the same bytes
+  bench/profile.py measures those in-process), not from this server's own keeps: its
+  grid's keeps took 2.9x the base curve, the fidelity workload's 1.4x at the same bytes
   (allocation and idle-then-busy patterns differ), so they do not carry over
-  (bench/RESULTS.md, session 11).
+  (bench/RESULTS.md, session 11). invariant_rows is the server's own (its `ready` log
+  line), since the simulator must resume where this server does.
 Before timing, one untimed request of each row count and one short reply (kernels and GEMM
 algorithms are picked per shape on first use). Tables are made non-decreasing
 (bench.profile.monotone), as bench/profile.py's are.

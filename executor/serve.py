@@ -145,8 +145,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="on a backend with an invariant grid g (numba-cuda: 64), cut and keep at the multiple "
                          f"of g at or below each request start (default: {p.snap_starts})")
     ap.add_argument("--short-first", action=argparse.BooleanOptionalAction, default=None,
-                    help="a prefill with at most max_chunk_rows rows left runs before an older, longer one (at most --lanes times in "
-                         f"a row); off: first come, first served (default: {p.short_first})")
+                    help="a prefill with at most max_chunk_rows rows left runs before an older, longer one (at "
+                         f"most --lanes times in a row); off: first come, first served (default: {p.short_first})")
     ap.add_argument("--warm-quiet-ms", type=float, metavar="MS",
                     help=f"quiet before a warm pass starts (default: {p.warm_quiet_ms:g})")
     ap.add_argument("--lanes", type=int, metavar="N", help=f"streams active at once (default: {p.lanes})")

@@ -34,6 +34,7 @@ TTFT_SAME_S = 1e-9
 schedule summed in another order differs by ~1e-13 s (a review counted 77 such "changes"
 among 112 in mixed, short_first on against off)."""
 
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (0 examples would report success having run nothing)."""
     value = int(text)
