@@ -8,7 +8,10 @@ start + 1, ... of one slot, each against keys [0, its position]; out = bf16 of t
 sigmoid-gated attention output) and the same exactness: a row's bits depend only on its
 position, head and the cache, never on the chunk, tile or warp it sits in (the source's
 header gives the argument). Its bits differ from the matrix path's (online softmax over
-32-key blocks instead of one pass over all keys), so a backend picks one path for good.
+32-key blocks in 256-key segments, folded, instead of one pass over all keys), so a backend
+picks one path for good. A short chunk spreads its key segments over CTAs and folds their
+partials in a second kernel (`flash_combine`); a long one folds them in the CTA as it walks:
+the same bits (`SPLIT_VIRTUAL_ROWS`).
 
 Numerics against ops.attention: q and P are rounded to bf16, l sums the rounded P, the
 products accumulate in fp32. Twins: ops.attention, then ops.sigmoid_gate.
@@ -28,37 +31,68 @@ from executor.numba_cuda.device import IS_SIMULATOR, check, chunk_meta, device_p
 from executor.numba_cuda.launch import allow_dynamic_shared, fast
 
 SOURCE = Path(__file__).with_name("flash_attention.cu")
-"""The CUDA C++ source of the device function."""
+"""The CUDA C++ source of the device functions."""
 BLOCK_KEYS = 32
 """Keys per block (BN in the source): blocks are anchored at key 0."""
+SEGMENT_BLOCKS = 8
+"""Blocks per key segment (SEG_BLOCKS in the source): a row's softmax runs online inside a
+segment and the segments are folded in ascending order, in every chunk."""
+SEGMENT_KEYS = SEGMENT_BLOCKS * BLOCK_KEYS
+"""Keys per segment (256): segments are anchored at key 0."""
 WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
 """Warps per CTA for each head_dim (16 virtual rows a warp); the source also instantiates
-4 warps at 128 and 256 (`kernel(head_dim, warps, stages)`, for benchmarks)."""
+other counts at 128 and 256 (VARIANTS, for benchmarks and tests)."""
 SHORT_VIRTUAL_ROWS = 8192
 """At most this many virtual rows (rows x group) a call, head_dim 256 runs 4 warps a CTA,
 above it 8: the same bits (a row never depends on its CTA's other rows; tested), and on
 the H200 4 warps were 5-10% faster for short chunks (27B 51 rows at 1984: 265 vs 293 us a
 layer) and 8 warps 4% faster for long ones (9B 8192 rows: 3.21 vs 3.35 ms); RESULTS.md,
 session 8."""
-VARIANTS = {(16, 4, 1), (32, 4, 1), (64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 1, 1), (256, 2, 1), (256, 4, 1),
-            (256, 8, 1), (16, 4, 3), (32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 1, 3), (256, 2, 3),
-            (256, 4, 2), (256, 4, 3), (256, 4, 4), (256, 8, 2), (256, 8, 3), (256, 8, 4)}
-"""(head_dim, warps, stages) triples flash_attention.cu instantiates. stages 1: one K and one
-V block buffer in static shared memory (three barriers a block); stages >= 2: a ring of
-`stages` (K, V) block pairs in dynamic shared memory, the next blocks' copies in flight
-while a block runs. The same arithmetic in the same order: stages change no bit (tested)."""
+SPLIT_VIRTUAL_ROWS = 512
+"""A chunk of at most this many virtual rows (27B: 85 rows; 9B and 2B: 128) splits its key
+segments over CTAs (`flash_split`, one segment a CTA, then `flash_combine`): without the
+split its few CTAs (27B 51 rows: 20) each walk every key block in turn while most SMs idle
+(150 us a layer at 2,035 keys, RESULTS.md session 17). Larger chunks fill the GPU with
+tiles and walk their segments in one CTA, folding as they go: the same bits either way."""
+SPLIT_GRID_Z = 16
+"""CTAs a (tile, K/V head) of a split launched for a captured chunk (meta given), whose key
+count is read on the device: CTA z takes segments z, z + 16, ...; an eager call launches one
+CTA a segment."""
+SPLIT_SCRATCH_BYTES = 512 << 20
+"""Most bytes a split's partials may take (f32 [segments, rows, q_heads, head_dim + 2]);
+past it the chunk walks its segments in one CTA. A captured chunk sizes them for the cache's
+capacity (27B, the 64-row bucket at 32,768 rows: 203 MB, held by the graphs' pool)."""
+MAX_SHARED_BYTES = 232_448
+"""Dynamic shared memory a CTA may take on sm_90 (227 KB)."""
+VARIANTS = {(16, 4, 3), (32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 1, 3), (256, 2, 3), (256, 4, 2),
+            (256, 4, 3), (256, 4, 4), (256, 8, 2), (256, 8, 3)}
+"""(head_dim, warps, stages) triples flash_attention.cu instantiates, each as a chunk's walk
+(`flash_prefill`) and a split's (`flash_split`): a ring of `stages` (K, V) block pairs in
+dynamic shared memory, the next blocks' copies in flight while a block runs. The same
+arithmetic in the same order: neither warps nor stages change a bit (tested). A walk also
+keeps its running output in shared memory (16 KB a warp at head_dim 256): 8 warps at
+head_dim 256 with a ring of 3 take exactly MAX_SHARED_BYTES."""
 STAGES = 3
-"""The ring depth `prefill` uses by default. H200, us a call against stages 1 (CUDA events,
-.dbg/flashbench.py; bench/RESULTS.md, session 15): 27B 51 rows at 1984, 4 warps: 294 ->
-221 (stages 4: 218); 27B 4096 rows at 4096, 8 warps: 3875 -> 3067; 9B 8192 rows at 24576,
-8 warps: 20.3 -> 16.0 ms. Four stages of 4 warps (135 KB, one CTA an SM) lose 7-8% on long
-chunks."""
+"""The ring depth `prefill` uses where it fits (`default_stages`). H200, us a call against a
+two-buffer kernel (CUDA events, .dbg/flashbench.py; bench/RESULTS.md, session 15): 27B 51
+rows at 1984, 4 warps: 294 -> 221; 27B 4096 rows at 4096, 8 warps: 3875 -> 3067; 9B 8192
+rows at 24576, 8 warps: 20.3 -> 16.0 ms."""
 
 
-def shared_bytes(head_dim: int, stages: int) -> int:
+def shared_bytes(head_dim: int, stages: int, warps: int = 4, split: bool = True) -> int:
     """Dynamic shared memory of a CTA, bytes: stages x (K block, V block) of BLOCK_KEYS rows
-    of head_dim + 8 bf16 (0 for stages 1, whose two buffers are static)."""
-    return 0 if stages == 1 else stages * 2 * BLOCK_KEYS * (head_dim + 8) * 2
+    of head_dim + 8 bf16, and for a walk (not split) the warps' running outputs, 16 virtual
+    rows x head_dim f32 a warp."""
+    ring = stages * 2 * BLOCK_KEYS * (head_dim + 8) * 2
+    return ring if split else ring + warps * 16 * head_dim * 4
+
+
+def default_stages(head_dim: int, warps: int) -> int:
+    """STAGES, or the deepest ring below it whose walk fits MAX_SHARED_BYTES."""
+    stages = STAGES
+    while stages > 2 and shared_bytes(head_dim, stages, warps, split=False) > MAX_SHARED_BYTES:
+        stages -= 1
+    return stages
 
 
 def unavailable(head_dim: int) -> str | None:
@@ -71,19 +105,22 @@ def unavailable(head_dim: int) -> str | None:
 
 
 @functools.cache
-def kernel(head_dim: int, warps: int | None = None, stages: int | None = None):
+def kernel(head_dim: int, warps: int | None = None, stages: int | None = None, split: bool = False):
     """(launchable kernel, threads per CTA, dynamic shared bytes) for `head_dim` with `warps`
-    warps a CTA (default WARPS[head_dim]) and a ring of `stages` K/V blocks (default STAGES),
-    compiled now (its dynamic shared memory allowed). Raises ValueError for a triple the
-    source does not instantiate (VARIANTS)."""
+    warps a CTA (default WARPS[head_dim]) and a ring of `stages` K/V blocks (default
+    `default_stages`), a walk over every segment or (split) a split's CTA, compiled now (its
+    dynamic shared memory allowed). Raises ValueError for a triple the source does not
+    instantiate (VARIANTS)."""
     warps = WARPS.get(head_dim) if warps is None else warps
-    stages = STAGES if stages is None else stages
+    if stages is None:
+        stages = STAGES if warps is None else default_stages(head_dim, warps)
     if (head_dim, warps, stages) not in VARIANTS:
         raise ValueError(f"head_dim {head_dim} with {warps} warps and {stages} stages is not one of "
                          f"{sorted(VARIANTS)}")
+    name = "flash_split" if split else "flash_prefill"
     device_fn = cuda.declare_device(
-        f"flash_prefill_{head_dim}_{warps}_{BLOCK_KEYS}_{stages}",
-        "int32(int64, int64, int64, int64, int64, int64, int64, int64, int64, float32)",
+        f"{name}_{head_dim}_{warps}_{BLOCK_KEYS}_{stages}",
+        "int32(" + ", ".join(["int64"] * 12) + ", float32)",
     )
 
     # lto: without nvJitLink the device function would be called through the ABI, not
@@ -93,24 +130,52 @@ def kernel(head_dim: int, warps: int | None = None, stages: int | None = None):
     # with other values (graphs.PrefillGraphs); a CTA whose tile (the source's
     # gridDim.x - 1 - blockIdx.x) starts past the rows in use returns at once (a padded grid)
     # One signature, compiled now: the dynamic shared memory attribute is set on it.
-    @cuda.jit("void(int64, int64, int64, int64, int64, int64, int32[::1], int64, int64, float32)",
+    @cuda.jit("void(" + ", ".join(["int64"] * 9) + ", int32[::1], int64, int64, float32)",
               link=[str(SOURCE)], launch_bounds=(warps * 32, max(1, 8 // warps)), lto=True)
-    def flash_kernel(q, qg, kc, vc, slot_bytes, out, meta, q_heads, kv_heads, scale):
+    def flash_kernel(q, qg, kc, vc, slot_bytes, out, po, pml, pstride, meta, q_heads, kv_heads, scale):
         rows = numba.int64(meta[0])
         tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
         if tile * (warps * 16) >= rows * (q_heads // kv_heads):
             return
         slot = numba.int64(meta[2]) * slot_bytes
-        device_fn(q, qg, kc + slot, vc + slot, out, rows, numba.int64(meta[1]), q_heads, kv_heads, scale)
+        device_fn(q, qg, kc + slot, vc + slot, out, po, pml, pstride, rows, numba.int64(meta[1]), q_heads, kv_heads,
+                  scale)
 
-    nbytes = shared_bytes(head_dim, stages)
+    nbytes = shared_bytes(head_dim, stages, warps, split)
+    if nbytes > MAX_SHARED_BYTES:
+        raise ValueError(f"head_dim {head_dim} with {warps} warps and {stages} stages takes {nbytes} bytes of shared "
+                         f"memory {'split' if split else 'walking'}, more than {MAX_SHARED_BYTES}")
     if nbytes > 48 << 10:
         allow_dynamic_shared(flash_kernel, nbytes)
     return fast(flash_kernel), warps * 32, nbytes
 
 
+@functools.cache
+def combine_kernel(head_dim: int):
+    """The launchable fold of a split's partials at `head_dim` (grid: rows, q_heads; head_dim
+    // 2 threads), compiled now."""
+    device_fn = cuda.declare_device(f"flash_combine_{head_dim}_{BLOCK_KEYS}", "int32(" + ", ".join(["int64"] * 8) + ")")
+
+    @cuda.jit("void(int64, int64, int64, int64, int64, int32[::1], int64)", link=[str(SOURCE)], lto=True)
+    def combine(po, pml, qg, out, pstride, meta, q_heads):
+        device_fn(po, pml, qg, out, pstride, numba.int64(meta[0]), numba.int64(meta[1]), q_heads)
+
+    return fast(combine)
+
+
+def split_segments(rows: int, q_heads: int, kv_heads: int, head_dim: int, keys: int) -> int:
+    """Key segments a split of `rows` rows must hold partials for when its last row sees
+    `keys` keys; 0 when the chunk walks instead (more than SPLIT_VIRTUAL_ROWS virtual rows,
+    rows x q_heads // kv_heads; one segment; or partials past SPLIT_SCRATCH_BYTES)."""
+    segments = -(-keys // SEGMENT_KEYS)
+    nbytes = segments * rows * q_heads * (head_dim + 2) * 4
+    if rows * (q_heads // kv_heads) > SPLIT_VIRTUAL_ROWS or segments < 2 or nbytes > SPLIT_SCRATCH_BYTES:
+        return 0
+    return segments
+
+
 def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None,
-            meta=None, stages: int | None = None):
+            meta=None, stages: int | None = None, split: bool | None = None):
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
@@ -121,15 +186,16 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     up to the next multiple of BLOCK_KEYS finite: the pool zeroes its caches); out: None or
     uint16 [rows, q_heads * head_dim], C-contiguous, 4-byte aligned; stream: a numba
     stream or 0. warps: warps a CTA (default: WARPS[head_dim], 4 at head_dim 256 for at
-    most SHORT_VIRTUAL_ROWS virtual rows; benchmarks try the others of VARIANTS); stages:
-    the K/V ring's depth (default STAGES; no bit depends on it).
+    most SHORT_VIRTUAL_ROWS virtual rows or a split; tests try the others of VARIANTS);
+    stages: the K/V ring's depth (default `default_stages`); split: spread the key segments
+    over CTAs (default: `split_segments` decides). No bit depends on warps, stages or split.
     Returns out. Raises ValueError naming the argument on a wrong shape, dtype, layout or
     alignment, a negative start, rows past the capacity, or a (head_dim, warps, stages) not
     in VARIANTS; RuntimeError where the kernel cannot run (`unavailable`).
-    meta: None or i32 device [>= 3] = (rows in use, start, slot), read by the kernel on the
+    meta: None or i32 device [>= 3] = (rows in use, start, slot), read by the kernels on the
     device (a captured step replays with other values: graphs.PrefillGraphs; rows past
     meta[0] are neither read nor written, and start and slot are checked here only as
-    given); None uploads (rows, start, slot). No bit depends on it.
+    given, a split's partials sized for the cache's capacity); None uploads (rows, start, slot).
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -161,19 +227,35 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     if IS_SIMULATOR:
         raise RuntimeError(f"fused prefill attention: {unavailable(head_dim)}")
     group = q_heads // kv_heads
-    if warps is None:
-        warps = 4 if head_dim == 256 and rows * group <= SHORT_VIRTUAL_ROWS else WARPS.get(head_dim)
-    launch, threads, nbytes = kernel(head_dim, warps, stages)
     out = empty((rows, q_heads * head_dim), np.uint16, stream) if out is None else out
     if not rows:
         return out
+    # a captured chunk (meta given) may start anywhere: its partials hold the capacity's segments
+    segments = split_segments(rows, q_heads, kv_heads, head_dim, capacity if meta is not None else start + rows)
+    if split is None:
+        split = segments > 0
+    elif split:
+        segments = max(segments, -(-(capacity if meta is not None else start + rows) // SEGMENT_KEYS))
+    if warps is None:
+        warps = 4 if head_dim == 256 and (split or rows * group <= SHORT_VIRTUAL_ROWS) else WARPS.get(head_dim)
+    launch, threads, nbytes = kernel(head_dim, warps, stages, split)
     tiles = -(-rows * group // (threads // 32 * 16))
     slot_bytes = capacity * kv_heads * head_dim * 2
+    meta_given = meta is not None
     meta = chunk_meta(meta, rows, start, slot, stream)
-    launch[(tiles, kv_heads), threads, stream, nbytes](
+    scale = np.float32(1.0 / np.sqrt(head_dim))
+    if not split:
+        launch[(tiles, kv_heads), threads, stream, nbytes](
+            device_pointer(q), device_pointer(qg), device_pointer(kcache), device_pointer(vcache), slot_bytes,
+            device_pointer(out), 0, 0, rows, meta, q_heads, kv_heads, scale)
+        return out
+    partials = empty((segments, rows, q_heads, head_dim), np.float32, stream)
+    ml = empty((segments, rows, q_heads, 2), np.float32, stream)
+    launch[(tiles, kv_heads, SPLIT_GRID_Z if meta_given else segments), threads, stream, nbytes](
         device_pointer(q), device_pointer(qg), device_pointer(kcache), device_pointer(vcache), slot_bytes,
-        device_pointer(out), meta, q_heads, kv_heads, np.float32(1.0 / np.sqrt(head_dim)),
-    )
+        device_pointer(out), device_pointer(partials), device_pointer(ml), rows, meta, q_heads, kv_heads, scale)
+    combine_kernel(head_dim)[(rows, q_heads), max(1, head_dim // 2), stream](
+        device_pointer(partials), device_pointer(ml), device_pointer(qg), device_pointer(out), rows, meta, q_heads)
     return out
 
 
@@ -193,9 +275,10 @@ def probe(head_dim: int, kv_heads: int = 1, group: int = 2) -> None:
     want = np.cumsum(values[0], axis=0)[:rows] / np.arange(1, rows + 1, dtype=np.float32)[:, None, None]
     want = np.repeat(want, group, axis=1)
     for warps in sorted({WARPS.get(head_dim), 4 if head_dim == 256 else WARPS.get(head_dim)}, key=str):
-        got = prefill(q, qg, kc, vc, 0, 0, warps=warps).copy_to_host()
-        cuda.synchronize()
-        got = (got.astype(np.uint32) << 16).view(np.float32).reshape(rows, q_heads, head_dim)
-        if not np.allclose(got, want, rtol=1e-2, atol=1e-2):
-            raise RuntimeError(f"flash attention probe at head_dim {head_dim}, {warps} warps: max error "
-                               f"{np.abs(got - want).max()}")
+        for split in (False, True):
+            got = prefill(q, qg, kc, vc, 0, 0, warps=warps, split=split).copy_to_host()
+            cuda.synchronize()
+            got = (got.astype(np.uint32) << 16).view(np.float32).reshape(rows, q_heads, head_dim)
+            if not np.allclose(got, want, rtol=1e-2, atol=1e-2):
+                raise RuntimeError(f"flash attention probe at head_dim {head_dim}, {warps} warps, split {split}: "
+                                   f"max error {np.abs(got - want).max()}")

@@ -13,20 +13,25 @@
 // V_b while S = Q K_b^T runs and K_{b+1} while the softmax and P V_b run. The products
 // are mma.sync.m16n8k16 (bf16 in, fp32 accumulate; fragments through ldmatrix, V's
 // transposed). Scores are kept in log2 units (x = s * scale * log2 e) and a row's softmax
-// is online over the blocks in ascending order: m = max(m, blockmax),
-// alpha = 2^(m_old - m), p = bf16(2^(x - m)) (ex2.approx, cvt.rn.bf16x2), l = l * alpha +
-// sum(p), O = O * alpha + P V; the O rescale is skipped when no row of the warp moved its
-// max (alpha = 1 exactly: the same bits), and the causal mask is applied only on blocks
-// that reach past the warp's first position.
+// is online over the blocks of a key segment (SEG_BLOCKS blocks, anchored at key 0) in
+// ascending order: m = max(m, blockmax), alpha = 2^(m_old - m), p = bf16(2^(x - m))
+// (ex2.approx, cvt.rn.bf16x2), l = l * alpha + sum(p), O = O * alpha + P V; the O rescale is
+// skipped when no row of the warp moved its max (alpha = 1 exactly: the same bits), and the
+// causal mask is applied only on blocks that reach past the warp's first position. The
+// segments' (m, l, O) are then folded in ascending order (`fold`): in the CTA that walks
+// them all (a long chunk), or, for a short chunk whose few CTAs would leave most SMs idle
+// while each walks every block, by `flash_combine` over the partials of CTAs that take one
+// segment each (`flash_split`): the same operations in the same order, so the same bits.
 //
 // Exactness (DESIGN "invariant grid"): a row's bits depend only on its position, its
 // head and the cache. Its keys, blocks, block order and every reduction order (a thread's
 // columns in a fixed order, then the quad's xor-1 and xor-2 shuffles) are the same
 // whatever chunk, tile or warp it sits in; a block past the row's position (processed
 // because another row of the warp needs it) has every x = -inf, so m and l are unchanged,
-// alpha = 2^0 = 1 and P = 0 adds exact zeros: same bits as not processing it. Rows of
-// one mma never mix (row i of D reads row i of A only), so neither the warps a CTA has
-// nor the rows beside a row in its CTA change its bits.
+// alpha = 2^0 = 1 and P = 0 adds exact zeros: same bits as not processing it; a segment
+// wholly past it leaves m = -inf and is neither folded nor read. Rows of one mma never mix
+// (row i of D reads row i of A only), so neither the warps a CTA has, nor the rows beside a
+// row in its CTA, nor whether its segments are split over CTAs change its bits.
 //
 // Shapes (all row-major, C-contiguous): q f32 [rows, q_heads, D] (after QK-norm and
 // RoPE); qg f32 [rows, q_heads * 2 * D] (the gate is the second half of each head);
@@ -188,13 +193,16 @@ __device__ __forceinline__ void block_softmax(u32 (&pf)[BN / 16][4], float (&s)[
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
         const float fresh = fmaxf(m[r], top);
-        alpha[r] = exp2_approx(__fsub_rn(m[r], fresh));  // exactly 1 when the max holds
+        // a row with no key yet in its segment (every x = -inf so far): base 0, so p = 0 and
+        // alpha = 0 (not 2^(-inf + inf) = NaN); any other row: base = its max, as ever
+        const float base = fresh == NEG_INF ? 0.0f : fresh;
+        alpha[r] = exp2_approx(__fsub_rn(m[r], base));  // exactly 1 when the max holds
         m[r] = fresh;
         float total = 0.0f;
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
-            const u32 p = pack2(exp2_approx(__fsub_rn(s[n][2 * r], fresh)),
-                                exp2_approx(__fsub_rn(s[n][2 * r + 1], fresh)));
+            const u32 p = pack2(exp2_approx(__fsub_rn(s[n][2 * r], base)),
+                                exp2_approx(__fsub_rn(s[n][2 * r + 1], base)));
             total += __uint_as_float(p << 16);
             total += __uint_as_float(p & 0xFFFF0000u);
             // A fragment of P for k-step n / 2: a0/a1 rows g / g+8 keys 2t.., a2/a3 keys 8+2t..
@@ -230,46 +238,96 @@ __device__ __forceinline__ void block_values(float (&acc)[D / 8][4], const u32 (
     }
 }
 
-// out = bf16((O / l) / (1 + exp(-gate))) for the warp's live rows.
-template <int D>
-__device__ __forceinline__ void finish(bf16_t* out, const float* qg, float (&acc)[D / 8][4], float (&l)[2],
-                                       const int* vr, const int* row, const int* head, int vrows, int q_heads,
-                                       int t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const size_t gate_stride = (size_t)q_heads * 2 * D;
-    const size_t out_stride = (size_t)q_heads * D;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (vr[r] >= vrows) continue;
-        const float* gate = qg + row[r] * gate_stride + (size_t)head[r] * 2 * D + D + 2 * t;
-        u32* dst = reinterpret_cast<u32*>(out + row[r] * out_stride + (size_t)head[r] * D + 2 * t);
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            float lo = (acc[n][2 * r] / l[r]) / (1.0f + expf(-gate[n * 8]));
-            float hi = (acc[n][2 * r + 1] / l[r]) / (1.0f + expf(-gate[n * 8 + 1]));
-            dst[n * 4] = pack2(lo, hi);
-        }
-    }
+// The fold of one key segment's (m_s, l_s, O_s) into a row's running (M, L, O): the same
+// code in the CTA that walks every segment (`flash_prefill<..., SPLIT = false>`, O in shared
+// memory) and in `flash_combine` (the partials of the CTAs of a split): M' = max(M, m_s),
+// c1 = 2^(M - M'), c2 = 2^(m_s - M'), L = L c1 + l_s c2, O = O c1 + O_s c2, never contracted.
+// The first fold (M = -inf: c1 = 0, c2 = 1) gives the segment's own (l_s, O_s) exactly.
+__device__ __forceinline__ void fold_factors(float& M, float m_s, float& c1, float& c2) {
+    const float fresh = fmaxf(M, m_s);
+    c1 = exp2_approx(__fsub_rn(M, fresh));
+    c2 = exp2_approx(__fsub_rn(m_s, fresh));
+    M = fresh;
 }
 
-// The CTA's loop over key blocks. STAGES == 1: one K and one V buffer in static shared
-// memory, V_b loaded while S = Q K_b^T runs and K_{b+1} while the softmax and P V_b run
-// (three barriers a block). STAGES >= 2: a ring of STAGES (K, V) block pairs in dynamic
-// shared memory, blocks b + 1 .. b + STAGES - 1 in flight while block b runs (one barrier
-// a block): a short chunk has a CTA or two per SM and nothing else to hide the copies'
-// latency behind (27B, 51 rows: 194 us a layer for 64 blocks, bench/RESULTS.md session
-// 14). The arithmetic is the same code in the same order: the same bits.
-template <int D, int WARPS, int BN, int STAGES>
+__device__ __forceinline__ float fold(float total, float part, float c1, float c2) {
+    return __fadd_rn(__fmul_rn(total, c1), __fmul_rn(part, c2));
+}
+
+// The gated output of one element: (O / L) / (1 + e^-gate), as ops.sigmoid_gate.
+__device__ __forceinline__ float gated(float o, float l, float gate) {
+    return __fdiv_rn(__fdiv_rn(o, l), __fadd_rn(1.0f, expf(-gate)));
+}
+
+// l summed over the quad (the four threads of a row): xor-1, then xor-2.
+__device__ __forceinline__ float quad_sum(float l) {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    return l;
+}
+
+// The CTA's walk over key blocks [first, last) through a ring of STAGES (K, V) block pairs in
+// dynamic shared memory, blocks b + 1 .. b + STAGES - 1 in flight while block b runs (one
+// barrier a block): a short chunk has a CTA or two per SM and nothing else to hide the copies'
+// latency behind. `step(b, k_lane, v_lane)` runs block b for the warp (the caller skips the
+// blocks its rows do not reach); `segment_end(s0)` runs after the blocks of the key segment
+// that starts at block s0 (`first` is a segment's first block). Segments are an outer loop,
+// not a test in the block loop: there the compiler if-converted the fold and the reset into
+// every block (20% of a long chunk's time, H200). Every thread of the CTA calls this.
+template <int D, int BN, int THREADS, int STAGES, int SEG, typename Step, typename SegmentEnd>
+__device__ __forceinline__ void walk_blocks(bf16_t* ring, const bf16_t* kbase, const bf16_t* vbase,
+                                            size_t row_stride, int first, int last, u32 k_off, u32 v_off,
+                                            Step step, SegmentEnd segment_end) {
+    constexpr int BLOCK = BN * (D + 8);  // elements of one K or V block in shared memory
+    const u32 ring0 = smem_addr(ring);
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) {  // prologue: blocks first .. first + STAGES - 2, one group each
+        if (first + p < last) {
+            load_block<D, BN, THREADS>(ring + (2 * p) * BLOCK, kbase, row_stride, first + p);
+            load_block<D, BN, THREADS>(ring + (2 * p + 1) * BLOCK, vbase, row_stride, first + p);
+        }
+        commit();
+    }
+    for (int s0 = first; s0 < last; s0 += SEG) {
+        const int s1 = min(s0 + SEG, last);
+        for (int b = s0; b < s1; ++b) {
+            wait_groups<STAGES - 2>();  // block b's group is in (STAGES - 1 + b - first groups committed)
+            __syncthreads();            // ... for every thread; every warp is done with block b - 1
+            const int next = b + STAGES - 1;  // into block b - 1's stage
+            if (next < last) {
+                const int stage = (next - first) % STAGES;
+                load_block<D, BN, THREADS>(ring + (2 * stage) * BLOCK, kbase, row_stride, next);
+                load_block<D, BN, THREADS>(ring + (2 * stage + 1) * BLOCK, vbase, row_stride, next);
+            }
+            commit();  // empty past the last block: the group count stays b - first + STAGES
+            const int stage = (b - first) % STAGES;
+            step(b, ring0 + 2u * (2 * stage) * BLOCK + k_off, ring0 + 2u * (2 * stage + 1) * BLOCK + v_off);
+        }
+        segment_end(s0);
+    }
+    wait_groups<0>();
+    __syncthreads();  // the ring is free for the next walk
+}
+
+// Keys go in segments of SEG_BLOCKS blocks (SEG_BLOCKS * BN keys) anchored at key 0. A row's
+// softmax runs online over the blocks of each segment (m, l, O from zero at its start) and the
+// segments are folded in ascending order (`fold`), whatever the chunk: so a short chunk can
+// spread its segments over CTAs (SPLIT: CTA z of the grid's z-dimension takes segments z,
+// z + gridDim.z, ... and writes each segment's (m, l, O) to the partials, which
+// `flash_combine` folds) and give every row the bits of a long chunk, whose CTAs walk every
+// segment and fold as they go (not SPLIT: O's running total in shared memory, 16 KB a warp at
+// head_dim 256, M and L in registers).
+#define SEG_BLOCKS 8
+
+// The partials of a split (f32, row-major): o [segments, pstride, q_heads, D] and ml
+// [segments, pstride, q_heads, 2] = (m in log2 units, l), rows at their chunk row.
+template <int D, int WARPS, int BN, int STAGES, bool SPLIT>
 __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
-                                              bf16_t* out, int rows, int start, int q_heads, int kv_heads,
-                                              float scale) {
-    constexpr int LDS = D + 8;      // shared row stride (elements): rows 16-byte aligned, ldmatrix conflict-free
+                                              bf16_t* out, float* po, float* pml, int pstride, int rows, int start,
+                                              int q_heads, int kv_heads, float scale) {
     constexpr int THREADS = WARPS * 32;
-    constexpr int BLOCK = BN * LDS; // elements of one K or V block in shared memory
+    constexpr int BLOCK = BN * (D + 8);
+    constexpr int FRAGS = D / 8 * 4;  // O values a thread holds (two rows)
 
     const int group = q_heads / kv_heads;
     const int h = blockIdx.y;
@@ -288,126 +346,182 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
     int pos[2];
     u32 qf[D / 16][4];
     {
-        int vr[2], row[2], head[2];  // not kept through the loop: finish works them out again
+        int vr[2], row[2], head[2];  // not kept through the loop: the writes work them out again
         row_pair(vr, row, head, warp_first, g, vrows, group, h);
         pos[0] = start + row[0];
         pos[1] = start + row[1];
         load_q<D>(qf, q, row, head, q_heads, t);
     }
     float acc[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF};  // running max, log2 units
-    float l[2] = {0.0f, 0.0f};        // this thread's share of the running sum
+    float m[2], l[2];  // the segment's running max (log2 units) and this thread's share of its sum
 
     const size_t row_stride = (size_t)kv_heads * D;
     const bf16_t* kbase = kc + (size_t)h * D;
     const bf16_t* vbase = vc + (size_t)h * D;
     // ldmatrix row offsets (bytes): K non-transposed (matrix j = lane / 8 covers dims
     // 8j..8j+7 of two k-steps), V transposed (matrices: keys +0 / +8, dims +0 / +8).
-    const u32 k_off = 2u * ((lane & 7) * LDS + (lane >> 3) * 8);
-    const u32 v_off = 2u * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+    const u32 k_off = 2u * ((lane & 7) * (D + 8) + (lane >> 3) * 8);
+    const u32 v_off = 2u * (((lane & 7) + ((lane >> 3) & 1) * 8) * (D + 8) + (lane >> 4) * 8);
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    bf16_t* ring = reinterpret_cast<bf16_t*>(smem_bytes);  // STAGES x (K block, V block)
 
-    if constexpr (STAGES == 1) {
-        __shared__ __align__(16) bf16_t ks[BLOCK];
-        __shared__ __align__(16) bf16_t vs[BLOCK];
-        const u32 k_lane = smem_addr(ks) + k_off, v_lane = smem_addr(vs) + v_off;
-        load_block<D, BN, THREADS>(ks, kbase, row_stride, 0);
-        commit();
-        for (int b = 0; b < blocks; ++b) {
-            wait_groups<0>();
-            __syncthreads();  // K_b is in; every warp is done with V_{b-1}
-            load_block<D, BN, THREADS>(vs, vbase, row_stride, b);
-            commit();
-            const bool active = b < warp_blocks;
-            float s[BN / 8][4];
-            if (active) block_scores<D, BN>(s, qf, k_lane);
-            __syncthreads();  // every warp is done with K_b
-            if (b + 1 < blocks) {
-                load_block<D, BN, THREADS>(ks, kbase, row_stride, b + 1);
-                commit();
+    auto reset = [&]() {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        m[0] = m[1] = NEG_INF;
+        l[0] = l[1] = 0.0f;
+    };
+    auto run = [&](int b, u32 k_lane, u32 v_lane) {
+        if (b >= warp_blocks) return;
+        float s[BN / 8][4];
+        block_scores<D, BN>(s, qf, k_lane);
+        u32 pf[BN / 16][4];
+        block_softmax<D, BN>(pf, s, m, l, acc, pos, b, b >= unmasked, scale2, t);
+        block_values<D, BN>(acc, pf, v_lane);
+    };
+    const int segments = (blocks + SEG_BLOCKS - 1) / SEG_BLOCKS;  // the CTA's
+
+    if constexpr (SPLIT) {
+        for (int seg = blockIdx.z; seg < segments; seg += gridDim.z) {
+            const int first = seg * SEG_BLOCKS;
+            reset();
+            walk_blocks<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, first,
+                                                            min(first + SEG_BLOCKS, blocks), k_off, v_off, run,
+                                                            [](int) {});
+            if (first >= warp_blocks) continue;  // no row of the warp reaches the segment
+            const float ls[2] = {quad_sum(l[0]), quad_sum(l[1])};
+            int vr[2], row[2], head[2];
+            row_pair(vr, row, head, warp_first, g, vrows, group, h);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (vr[r] >= vrows) continue;
+                const size_t at = ((size_t)seg * pstride + row[r]) * q_heads + head[r];
+                float2* dst = reinterpret_cast<float2*>(po + at * D + 2 * t);
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) dst[n * 4] = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+                if (t == 0) *reinterpret_cast<float2*>(pml + 2 * at) = make_float2(m[r], ls[r]);
             }
-            u32 pf[BN / 16][4];
-            if (active) block_softmax<D, BN>(pf, s, m, l, acc, pos, b, b >= unmasked, scale2, t);
-            if (b + 1 < blocks) {
-                wait_groups<1>();
-            } else {
-                wait_groups<0>();
-            }
-            __syncthreads();  // V_b is in
-            if (active) block_values<D, BN>(acc, pf, v_lane);
         }
     } else {
-        extern __shared__ __align__(16) unsigned char ring_bytes[];
-        bf16_t* ring = reinterpret_cast<bf16_t*>(ring_bytes);  // STAGES x (K block, V block)
-        const u32 ring0 = smem_addr(ring);
+        // O's running total: thread-private, acc[n] as the float4 [n][lane] of its warp's part
+        // (a warp's 16-byte accesses to one n are consecutive: no bank conflict; 4-wide, so a
+        // fold is 32 shared round trips a thread, not 128: with every register taken by O and
+        // Q, they barely overlap)
+        float4* total = reinterpret_cast<float4*>(ring + 2 * STAGES * BLOCK) + warp * (FRAGS / 4) * 32 + lane;
 #pragma unroll
-        for (int p = 0; p < STAGES - 1; ++p) {  // prologue: blocks 0 .. STAGES - 2, one group each
-            if (p < blocks) {
-                load_block<D, BN, THREADS>(ring + (2 * p) * BLOCK, kbase, row_stride, p);
-                load_block<D, BN, THREADS>(ring + (2 * p + 1) * BLOCK, vbase, row_stride, p);
+        for (int n = 0; n < D / 8; ++n) total[n * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
+        reset();
+        auto fold_segment = [&](int s0) {
+            if (s0 >= warp_blocks) return;  // no row of the warp reaches the segment
+            const float ls[2] = {quad_sum(l[0]), quad_sum(l[1])};
+            // no key of a row in the segment (m = -inf): c1 = 1, c2 = 0, O_s = l_s = 0, so the
+            // fold changes no bit (O != -0: the row's largest key adds p = 1)
+            float c1[2], c2[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                fold_factors(M[r], m[r], c1[r], c2[r]);
+                L[r] = fold(L[r], ls[r], c1[r], c2[r]);
             }
-            commit();
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                float4 o = total[n * 32];
+                o.x = fold(o.x, acc[n][0], c1[0], c2[0]);
+                o.y = fold(o.y, acc[n][1], c1[0], c2[0]);
+                o.z = fold(o.z, acc[n][2], c1[1], c2[1]);
+                o.w = fold(o.w, acc[n][3], c1[1], c2[1]);
+                total[n * 32] = o;
+            }
+            reset();
+        };
+        walk_blocks<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, 0, blocks, k_off, v_off, run,
+                                                        fold_segment);
+        const size_t gate_stride = (size_t)q_heads * 2 * D;
+        const size_t out_stride = (size_t)q_heads * D;
+        int vr[2], row[2], head[2];
+        row_pair(vr, row, head, warp_first, g, vrows, group, h);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (vr[r] >= vrows) continue;
+            const float* gate = qg + row[r] * gate_stride + (size_t)head[r] * 2 * D + D + 2 * t;
+            u32* dst = reinterpret_cast<u32*>(out + row[r] * out_stride + (size_t)head[r] * D + 2 * t);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                const float4 o = total[n * 32];
+                dst[n * 4] = pack2(gated(r ? o.z : o.x, L[r], gate[n * 8]), gated(r ? o.w : o.y, L[r], gate[n * 8 + 1]));
+            }
         }
-        for (int b = 0; b < blocks; ++b) {
-            wait_groups<STAGES - 2>();  // block b's group is in (STAGES - 1 + b groups committed)
-            __syncthreads();            // ... for every thread; every warp is done with block b - 1
-            const int next = b + STAGES - 1;  // into block b - 1's stage
-            if (next < blocks) {
-                const int stage = next % STAGES;
-                load_block<D, BN, THREADS>(ring + (2 * stage) * BLOCK, kbase, row_stride, next);
-                load_block<D, BN, THREADS>(ring + (2 * stage + 1) * BLOCK, vbase, row_stride, next);
-            }
-            commit();  // empty past the last block: the group count stays b + STAGES
-            if (b < warp_blocks) {
-                const int stage = b % STAGES;
-                float s[BN / 8][4];
-                block_scores<D, BN>(s, qf, ring0 + 2u * (2 * stage) * BLOCK + k_off);
-                u32 pf[BN / 16][4];
-                block_softmax<D, BN>(pf, s, m, l, acc, pos, b, b >= unmasked, scale2, t);
-                block_values<D, BN>(acc, pf, ring0 + 2u * (2 * stage + 1) * BLOCK + v_off);
-            }
-        }
-        wait_groups<0>();
     }
-    int vr[2], row[2], head[2];
-    row_pair(vr, row, head, warp_first, g, vrows, group, h);
-    finish<D>(out, qg, acc, l, vr, row, head, vrows, q_heads, t);
+}
+
+// The fold of a split's partials: CTA (row, head) of the chunk, D / 2 threads of two elements;
+// segments 0 .. (start + row) / (SEG_BLOCKS * BN), every one of which holds a key of the row.
+template <int D, int BN>
+__device__ __forceinline__ void flash_combine(const float* po, const float* pml, const float* qg, bf16_t* out,
+                                              int pstride, int rows, int start, int q_heads) {
+    const int row = blockIdx.x, head = blockIdx.y, e = 2 * threadIdx.x;
+    if (row >= rows) return;
+    const int last = (start + row) / (SEG_BLOCKS * BN);
+    float M = NEG_INF, L = 0.0f, o0 = 0.0f, o1 = 0.0f;
+    for (int seg = 0; seg <= last; ++seg) {
+        const size_t at = ((size_t)seg * pstride + row) * q_heads + head;
+        const float2 ml = *reinterpret_cast<const float2*>(pml + 2 * at);
+        const float2 o = *reinterpret_cast<const float2*>(po + at * D + e);
+        float c1, c2;
+        fold_factors(M, ml.x, c1, c2);
+        L = fold(L, ml.y, c1, c2);
+        o0 = fold(o0, o.x, c1, c2);
+        o1 = fold(o1, o.y, c1, c2);
+    }
+    const float* gate = qg + (size_t)row * q_heads * 2 * D + (size_t)head * 2 * D + D + e;
+    *reinterpret_cast<u32*>(out + (size_t)row * q_heads * D + (size_t)head * D + e) =
+        pack2(gated(o0, L, gate[0]), gated(o1, L, gate[1]));
 }
 
 // Entry points: numba's ABI (status return, result pointer first); pointers and counts
 // as int64 (what numba types a Python int as), the scale as float32.
-#define FLASH_ENTRY(D, WARPS, BN, STAGES)                                                                         \
-    extern "C" __device__ int flash_prefill_##D##_##WARPS##_##BN##_##STAGES(                                       \
-        int* result, long long q, long long qg, long long kc, long long vc, long long out, long long rows,         \
-        long long start, long long q_heads, long long kv_heads, float scale) {                                     \
-        flash_prefill<D, WARPS, BN, STAGES>(reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qg), \
-                                            reinterpret_cast<const bf16_t*>(kc), reinterpret_cast<const bf16_t*>(vc), \
-                                            reinterpret_cast<bf16_t*>(out), (int)rows, (int)start, (int)q_heads,  \
-                                            (int)kv_heads, scale);                                                 \
+#define FLASH_ENTRY(D, WARPS, BN, STAGES, SPLIT, NAME)                                                             \
+    extern "C" __device__ int NAME##_##D##_##WARPS##_##BN##_##STAGES(                                              \
+        int* result, long long q, long long qg, long long kc, long long vc, long long out, long long po,          \
+        long long pml, long long pstride, long long rows, long long start, long long q_heads, long long kv_heads,  \
+        float scale) {                                                                                             \
+        flash_prefill<D, WARPS, BN, STAGES, SPLIT>(                                                                \
+            reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qg),                                 \
+            reinterpret_cast<const bf16_t*>(kc), reinterpret_cast<const bf16_t*>(vc), reinterpret_cast<bf16_t*>(out), \
+            reinterpret_cast<float*>(po), reinterpret_cast<float*>(pml), (int)pstride, (int)rows, (int)start,      \
+            (int)q_heads, (int)kv_heads, scale);                                                                   \
         *result = 0;                                                                                               \
         return 0;                                                                                                  \
     }
+#define FLASH_ENTRIES(D, WARPS, BN, STAGES)                  \
+    FLASH_ENTRY(D, WARPS, BN, STAGES, false, flash_prefill) \
+    FLASH_ENTRY(D, WARPS, BN, STAGES, true, flash_split)
 
-FLASH_ENTRY(16, 4, 32, 1)
-FLASH_ENTRY(32, 4, 32, 1)
-FLASH_ENTRY(64, 4, 32, 1)
-FLASH_ENTRY(128, 4, 32, 1)
-FLASH_ENTRY(128, 8, 32, 1)
-FLASH_ENTRY(256, 4, 32, 1)
-FLASH_ENTRY(256, 2, 32, 1)
-FLASH_ENTRY(256, 1, 32, 1)
-FLASH_ENTRY(256, 8, 32, 1)
-FLASH_ENTRY(16, 4, 32, 3)
-FLASH_ENTRY(32, 4, 32, 3)
-FLASH_ENTRY(64, 4, 32, 3)
-FLASH_ENTRY(128, 4, 32, 3)
-FLASH_ENTRY(128, 8, 32, 3)
-FLASH_ENTRY(256, 1, 32, 3)
-FLASH_ENTRY(256, 2, 32, 3)
-FLASH_ENTRY(256, 4, 32, 2)
-FLASH_ENTRY(256, 4, 32, 3)
-FLASH_ENTRY(256, 4, 32, 4)
-FLASH_ENTRY(256, 8, 32, 2)
-FLASH_ENTRY(256, 8, 32, 3)
-FLASH_ENTRY(256, 8, 32, 4)
+#define COMBINE_ENTRY(D, BN)                                                                                         \
+    extern "C" __device__ int flash_combine_##D##_##BN(int* result, long long po, long long pml, long long qg,      \
+                                                       long long out, long long pstride, long long rows,            \
+                                                       long long start, long long q_heads) {                        \
+        flash_combine<D, BN>(reinterpret_cast<const float*>(po), reinterpret_cast<const float*>(pml),               \
+                             reinterpret_cast<const float*>(qg), reinterpret_cast<bf16_t*>(out), (int)pstride,       \
+                             (int)rows, (int)start, (int)q_heads);                                                   \
+        *result = 0;                                                                                                 \
+        return 0;                                                                                                    \
+    }
+
+FLASH_ENTRIES(16, 4, 32, 3)
+FLASH_ENTRIES(32, 4, 32, 3)
+FLASH_ENTRIES(64, 4, 32, 3)
+FLASH_ENTRIES(128, 4, 32, 3)
+FLASH_ENTRIES(128, 8, 32, 3)
+FLASH_ENTRIES(256, 1, 32, 3)
+FLASH_ENTRIES(256, 2, 32, 3)
+FLASH_ENTRIES(256, 4, 32, 2)
+FLASH_ENTRIES(256, 4, 32, 3)
+FLASH_ENTRIES(256, 4, 32, 4)
+FLASH_ENTRIES(256, 8, 32, 2)
+FLASH_ENTRIES(256, 8, 32, 3)
+COMBINE_ENTRY(16, 32)
+COMBINE_ENTRY(32, 32)
+COMBINE_ENTRY(64, 32)
+COMBINE_ENTRY(128, 32)
+COMBINE_ENTRY(256, 32)

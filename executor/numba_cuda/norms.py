@@ -2,7 +2,8 @@
 RMSNorm of the linear-attention output. Both write bf16, the input of the next GEMM.
 
 Twins: `ops.rms_norm` (after `x + delta`) and `ops.gated_rms_norm`. QK-norm lives in
-attention_prep.py. One block per row (add_rms_norm) or one warp per row and head
+attention_prep.py. One block per row (add_rms_norm: on a GPU the CUDA C++ of rms_norm.cu,
+the row in registers; under the simulator a numba kernel) or one warp per row and head
 (gated_rms_norm); fp32 math, fixed-order reductions (a shared-memory tree, a warp
 butterfly), so a row's bits never depend on the other rows.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, empty, f32_to_bf16
+from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, device_pointer, empty, f32_to_bf16
 from executor.numba_cuda.launch import fast
 
 _F32 = np.float32
@@ -172,15 +174,64 @@ def _add_rms_norm_kernel_for(threads: int, unroll: int):
     return _add_rms_norm_kernel
 
 
+FUSED_SOURCE = Path(__file__).with_name("rms_norm.cu")
+"""The CUDA C++ of the register-resident norm (`add_rms_norm` on a GPU)."""
+FUSED_VEC = {256: 8, 1024: 2}
+"""Threads per row the C++ norm is instantiated for, and the most float4s a thread holds
+(the widest row: 8,192 at 256 threads, 8,192 at 1,024)."""
+
+
+def fused_unavailable(dim: int, threads: int) -> str | None:
+    """Why the C++ norm (rms_norm.cu) cannot take rows of `dim` at `threads` threads a row
+    (None when it can): the simulator, a thread count or width it is not built for, a width
+    that is not a whole number of float4s, or a failed compile (tried once a process)."""
+    if IS_SIMULATOR:
+        return "the CUDA simulator has no NVRTC"
+    if threads not in FUSED_VEC:
+        return f"threads {threads} is not one of {sorted(FUSED_VEC)}"
+    if dim % 4 or not 0 < dim <= 4 * FUSED_VEC[threads] * threads:
+        return f"dim {dim} is not a multiple of 4 in [4, {4 * FUSED_VEC[threads] * threads}]"
+    return _fused_compile_error(threads, -(-dim // (4 * threads)))
+
+
+@functools.cache
+def _fused_kernel(threads: int, vec: int):
+    """The launchable C++ norm with `threads` threads a row and `vec` float4s a thread
+    (compiled now, with link-time optimisation, as attention_flash.kernel)."""
+    device_fn = cuda.declare_device(f"add_rms_norm_{threads}_{vec}", "int32(int64, int64, int64, int64, float32, int64, int64)")
+
+    @cuda.jit("void(int64, int64, int64, int64, float32, int64, int64)", link=[str(FUSED_SOURCE)], lto=True,
+              launch_bounds=(threads, 1))
+    def fused_add_rms_norm(x, delta, has_delta, weight, eps, out, dim):
+        device_fn(x, delta, has_delta, weight, eps, out, dim)
+
+    return fast(fused_add_rms_norm)
+
+
+@functools.cache
+def _fused_compile_error(threads: int, vec: int) -> str | None:
+    """Why `_fused_kernel(threads, vec)` does not compile here (no NVRTC or nvJitLink, an
+    old GPU), or None; asked once a process."""
+    try:
+        _fused_kernel(threads, vec)
+    except Exception as exc:  # noqa: BLE001 - the reason is the answer
+        return f"rms_norm.cu does not compile: {exc!r}"[:300]
+    return None
+
+
 def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads: int = NORM_THREADS,
-                 unroll: int = NORM_UNROLL):
+                 unroll: int = NORM_UNROLL, fused: bool | None = None):
     """x += delta (when given, in place), then out = bf16(rms_norm(x, weight, eps)).
 
     x: f32 device [rows, dim] (rows may be a row slice); delta: f32 [rows, dim] or None;
     weight: f32 [dim]; threads: per row, a power of two up to 1024 (NORM_THREADS for decode,
     PREFILL_NORM_THREADS for prefill: a row's bits depend on it, never on the rows);
-    unroll: elements a thread loads at once (NORM_UNROLL; no bit depends on it);
-    returns out: uint16 (bf16 bits) [rows, dim].
+    unroll: elements a thread of numba's kernel loads at once (NORM_UNROLL; no bit depends
+    on it); fused: run rms_norm.cu, the row in registers (default: where it can,
+    `fused_unavailable`; its bits differ from numba's kernel, so a backend keeps one for
+    good: the default is fixed by the GPU, dim and threads). Returns out: uint16 (bf16 bits)
+    [rows, dim]. Raises ValueError naming the argument on a wrong dtype, rank or shape, and
+    for the C++ norm on rows that are not C-contiguous and 16-byte aligned.
     Twin: ops.rms_norm(x + delta, weight, eps).
     """
     check("x", x, np.float32, 2)
@@ -197,6 +248,22 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads:
         if tuple(delta.shape) != tuple(x.shape):
             raise ValueError(f"delta shape {delta.shape} != x shape {x.shape}")
     out = empty((rows, dim), np.uint16, stream) if out is None else out
+    if fused is None:
+        fused = fused_unavailable(dim, threads) is None
+    if fused and rows:
+        why = fused_unavailable(dim, threads)
+        if why is not None:
+            raise ValueError(f"the C++ norm cannot run: {why}")
+        for name, array, align in (("x", x, 16), ("delta", delta, 16), ("weight", weight, 16), ("out", out, 8)):
+            if array is None:
+                continue
+            if not array.is_c_contiguous() or device_pointer(array) % align:
+                raise ValueError(f"{name} must be C-contiguous and {align}-byte aligned for the C++ norm")
+        vec = -(-dim // (4 * threads))
+        _fused_kernel(threads, vec)[rows, threads, stream](
+            device_pointer(x), device_pointer(x if delta is None else delta), int(delta is not None),
+            device_pointer(weight), np.float32(eps), device_pointer(out), dim)
+        return out
     if rows:
         has = 1 if delta is not None else 0
         kernel = _add_rms_norm_kernel_for(threads, unroll)

@@ -1,6 +1,8 @@
 """flash_attention.cu's entry points against attention_flash.VARIANTS, without a GPU: every
-(head_dim, warps, stages) the Python side may ask for is instantiated in the source, and
-every warps count has the default ring depth (a missing one fails only on a GPU, at launch)."""
+(head_dim, warps, stages) the Python side may ask for is instantiated in the source, as a
+walk and as a split, with a combine for every head_dim; every warps count has its default
+ring depth; and every variant's walk fits the shared memory of a CTA (a missing entry or an
+oversized CTA fails only on a GPU, at compile or launch)."""
 
 from __future__ import annotations
 
@@ -8,21 +10,53 @@ import re
 
 from executor.numba_cuda import attention_flash
 
-ENTRY = re.compile(r"^FLASH_ENTRY\((\d+), (\d+), (\d+), (\d+)\)$", re.M)
+ENTRIES = re.compile(r"^FLASH_ENTRIES\((\d+), (\d+), (\d+), (\d+)\)$", re.M)
+COMBINES = re.compile(r"^COMBINE_ENTRY\((\d+), (\d+)\)$", re.M)
+SEG_BLOCKS = re.compile(r"^#define SEG_BLOCKS (\d+)$", re.M)
 
 
 def test_the_source_instantiates_exactly_the_variants():
-    entries = {tuple(int(x) for x in m) for m in ENTRY.findall(attention_flash.SOURCE.read_text())}
+    source = attention_flash.SOURCE.read_text()
+    entries = {tuple(int(x) for x in m) for m in ENTRIES.findall(source)}
     assert {(d, w, s) for d, w, bn, s in entries} == attention_flash.VARIANTS
     assert {bn for _, _, bn, _ in entries} == {attention_flash.BLOCK_KEYS}
+    combines = {tuple(int(x) for x in m) for m in COMBINES.findall(source)}
+    assert combines == {(d, attention_flash.BLOCK_KEYS) for d in attention_flash.WARPS}
+    assert [int(x) for x in SEG_BLOCKS.findall(source)] == [attention_flash.SEGMENT_BLOCKS]
+    assert attention_flash.SEGMENT_KEYS == 256
 
 
-def test_every_variant_s_warps_count_runs_at_the_default_ring_depth():
-    for head_dim, warps, _ in attention_flash.VARIANTS:
-        assert (head_dim, warps, attention_flash.STAGES) in attention_flash.VARIANTS, (head_dim, warps)
-    assert all((d, w, attention_flash.STAGES) in attention_flash.VARIANTS for d, w in attention_flash.WARPS.items())
+def test_every_warps_count_runs_at_its_default_ring_depth_and_fits():
+    for head_dim, warps, stages in attention_flash.VARIANTS:
+        assert (head_dim, warps, attention_flash.default_stages(head_dim, warps)) in attention_flash.VARIANTS
+        assert attention_flash.shared_bytes(head_dim, stages, warps, split=False) <= attention_flash.MAX_SHARED_BYTES
+    for head_dim, warps in attention_flash.WARPS.items():
+        assert (head_dim, warps, attention_flash.default_stages(head_dim, warps)) in attention_flash.VARIANTS
+    assert attention_flash.default_stages(256, 4) == 3
+    assert attention_flash.default_stages(256, 8) == 3  # 101,376 + 131,072: exactly the 227 KB of a CTA
+    assert attention_flash.shared_bytes(256, 4, 8, split=False) > attention_flash.MAX_SHARED_BYTES
 
 
-def test_shared_bytes_of_the_ring():
-    assert attention_flash.shared_bytes(256, 1) == 0  # two static buffers
+def test_shared_bytes_of_the_ring_and_the_running_outputs():
     assert attention_flash.shared_bytes(256, 3) == 3 * 2 * 32 * 264 * 2 == 101_376
+    assert attention_flash.shared_bytes(256, 3, 4, split=False) == 101_376 + 4 * 16 * 256 * 4 == 166_912
+    assert attention_flash.shared_bytes(256, 2, 8, split=False) == 67_584 + 131_072
+
+
+def test_split_segments_follows_rows_keys_and_scratch():
+    seg = attention_flash.split_segments
+    assert seg(51, 24, 4, 256, 2035) == 8  # the 27B's off-grid continuation: 306 virtual rows
+    assert seg(64, 24, 4, 256, 32768) == 128  # its captured bucket, sized for the capacity: 203 MB
+    assert seg(86, 24, 4, 256, 2035) == 0  # 516 virtual rows: walk
+    assert seg(51, 24, 4, 256, 256) == 0  # one segment: nothing to split
+    assert seg(128, 16, 4, 256, 262144) == 0  # 1,024 segments of partials: 1.1 GB, walk
+
+
+def test_rms_norm_source_instantiates_exactly_the_fused_variants():
+    """rms_norm.cu's entry points are (threads, vec) for every vec up to norms.FUSED_VEC[threads]."""
+    from executor.numba_cuda import norms
+
+    found = {tuple(int(x) for x in m) for m in re.findall(r"^NORM_ENTRY\((\d+), (\d+)\)$",
+                                                           norms.FUSED_SOURCE.read_text(), re.M)}
+    assert found == {(t, v) for t, most in norms.FUSED_VEC.items() for v in range(1, most + 1)}
+    assert norms.FUSED_VEC == {256: 8, 1024: 2}

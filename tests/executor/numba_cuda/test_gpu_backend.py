@@ -598,8 +598,11 @@ def test_fast_launches_give_numba_s_bits(models):
     used = [k.name for k in launch.KERNELS if k.fast_launches > before.get(id(k), 0)]
     rejected = {k.name: k.rejected for k in launch.KERNELS if k.rejected}
     assert not rejected
-    expected = ["_embed_kernel", "_add_rms_norm_kernel", "_conv_kernel", "_swiglu4_kernel", "_kv_kernel", "kernel",
-                "_gated_rms_norm_kernel"]
+    from executor.numba_cuda import norms
+
+    fused_norm = norms.fused_unavailable(gpu.config.hidden_size, norms.PREFILL_NORM_THREADS) is None
+    expected = ["_embed_kernel", "fused_add_rms_norm" if fused_norm else "_add_rms_norm_kernel", "_conv_kernel",
+                "_swiglu4_kernel", "_kv_kernel", "kernel", "_gated_rms_norm_kernel"]
     if gpu.prefill_attention == "flash" and FULL in gpu.config.layer_types[:-1]:  # the last layer's q is skipped here
         expected.append("flash_kernel")
     if gpu.prefill_delta == "mma":

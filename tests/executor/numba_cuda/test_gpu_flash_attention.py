@@ -93,20 +93,58 @@ def test_flash_bits_do_not_depend_on_warps_per_cta(heads, kv_heads):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,start,rows", [(24, 4, 256, 1984, 51), (16, 4, 256, 100, 301),
                                                                (8, 2, 128, 37, 200), (4, 2, 16, 0, 70)])
 def test_flash_bits_do_not_depend_on_the_ring_depth(heads, kv_heads, head_dim, start, rows):
-    """Every (warps, stages) variant at head_dim gives every row the bits of the two-buffer
-    kernel (stages 1); the 27B's off-grid continuation chunk (51 rows at 1984: 64 blocks,
-    more than any ring) among them, and blocks fewer than a ring's depth (70 rows at 0)."""
+    """Every (warps, stages) variant at head_dim, walking or split, gives every row the same
+    bits; the 27B's off-grid continuation chunk (51 rows at 1984: 64 blocks, more than any
+    ring) among them, and blocks fewer than a ring's depth (70 rows at 0)."""
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=2048, slots=1)
     q, qg = _inputs(r, rows, heads, head_dim)
-    variants = sorted((w, st) for d, w, st in attention_flash.VARIANTS if d == head_dim)
-    assert any(st > 1 for _, st in variants)
+    variants = sorted((w, st, sp) for d, w, st in attention_flash.VARIANTS if d == head_dim for sp in (False, True))
+    assert len({st for _, st, _ in variants}) > 1 or head_dim != 256
     with poisoned():
-        runs = {(w, st): host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, warps=w,
-                                                      stages=st)) for w, st in variants}
+        runs = {(w, st, sp): host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, warps=w,
+                                                          stages=st, split=sp)) for w, st, sp in variants}
     first = runs[variants[0]]
     for key, run in runs.items():
-        assert np.array_equal(run, first), f"warps, stages = {key}"
+        assert np.array_equal(run, first), f"warps, stages, split = {key}"
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,start,rows", [
+    (24, 4, 256, 1984, 51), (24, 4, 256, 4000, 16), (16, 4, 256, 250, 300), (8, 2, 128, 511, 90), (4, 2, 16, 255, 70),
+    (6, 2, 32, 0, 600),
+])
+def test_a_split_gives_the_walk_s_bits(heads, kv_heads, head_dim, start, rows):
+    """Key segments spread over CTAs and folded by flash_combine give every row the bits of
+    one CTA walking them all (the chunk sizes at which prefill switches, and rows that start,
+    end and straddle 256-key segments)."""
+    r = rng()
+    _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=4096, slots=1)
+    q, qg = _inputs(r, rows, heads, head_dim)
+    with poisoned():
+        walk = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, split=False))
+        split = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, split=True))
+    np.testing.assert_array_equal(split, walk)
+    np.testing.assert_array_equal(_run(q, qg, kc, vc, 0, start), walk)
+
+
+@pytest.mark.parametrize("start,used", [(1984, 51), (4500, 64), (0, 1), (300, 7)])
+def test_a_captured_split_reads_rows_and_start_from_meta(start, used):
+    """A chunk launched for a graph (meta on the device, 64 padded rows, partials for the
+    capacity's segments, 16 CTAs a tile taking segments z, z + 16, ...) gives its rows in use
+    the bits of an eager call, and leaves the padded rows' output alone."""
+    from executor.numba_cuda.device import chunk_meta
+    r = rng()
+    heads, kv_heads, head_dim, padded = 24, 4, 256, 64
+    _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=8192, slots=2)
+    q, qg = _inputs(r, padded, heads, head_dim)
+    assert attention_flash.split_segments(padded, heads, kv_heads, head_dim, 8192) == 32
+    meta = chunk_meta(None, used, start, 1)
+    out = to_device(np.full((padded, heads * head_dim), 0x7FC1, np.uint16))
+    with poisoned():
+        attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 1, 0, out=out, meta=meta)
+    got = out.copy_to_host()  # not `host`: the padded rows keep their NaN on purpose
+    np.testing.assert_array_equal(got[:used], _run(q[:used], qg[:used], kc, vc, 1, start))
+    assert (got[used:] == 0x7FC1).all()
 
 
 def test_flash_at_a_capacity_of_exactly_the_blocks_it_reads():
@@ -153,6 +191,8 @@ def test_flash_rejects_bad_shapes_and_leaves_other_slots():
         attention_flash.kernel(24)
     with pytest.raises(ValueError, match="stages"):
         attention_flash.kernel(256, 4, 5)
+    with pytest.raises(ValueError, match="stages"):
+        attention_flash.kernel(256, 8, 4)
     assert attention_flash.unavailable(256) is None and "head_dim 48" in attention_flash.unavailable(48)
 
 
