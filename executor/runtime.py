@@ -230,7 +230,8 @@ class Runtime:
         handle = Handle(rid, conversation, len(job.prompt_ids))
         if sink is not None:
             handle.queue = Sink(sink)
-        live = Live(handle, job, new_rng(job.seed), TextStream(self.tokenizer, job.stop))
+        rng = None if job.sampling.is_greedy else new_rng(job.seed)  # greedy draws nothing
+        live = Live(handle, job, rng, TextStream(self.tokenizer, job.stop))
         self._lives[rid] = live
         request = Request(id=rid, conversation=conversation, prompt=prompt, starts=job.starts,
                           max_tokens=job.max_tokens)

@@ -52,6 +52,11 @@ class SamplingParams:
     top_k: int = attrs.field(default=0, converter=int, validator=_check_top_k)
     min_p: float = attrs.field(default=0.0, converter=float, validator=_check_min_p)
 
+    @property
+    def is_greedy(self) -> bool:
+        """Whether `sample` takes the argmax (temperature 0, or top_k 1) and draws nothing."""
+        return self.temperature == 0.0 or self.top_k == 1
+
 
 def new_rng(seed: int) -> np.random.Generator:
     """The per-request generator: the same seed reproduces the same reply."""
@@ -65,10 +70,11 @@ nucleus' (then every token). Only the candidates are sorted: a full sort of a 24
 vocabulary cost ~38 ms of CPU a token on a 2-core box, this ~5 ms (RESULTS.md, session 8)."""
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick the next token id from logits [vocab] (float32).
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> int:
+    """Pick the next token id from logits [vocab] (float32). rng: the request's generator;
+    None only for greedy params (`SamplingParams.is_greedy`).
 
-    Greedy (temperature 0) is the argmax, lowest id on ties, and draws nothing from rng.
+    Greedy (temperature 0, or top_k 1) is the argmax, lowest id on ties, and draws nothing from rng.
     Otherwise p = exp(logits / temperature - max) in float64 (the softmax, unnormalised)
     and exactly one uniform u is drawn per token, so a seed fixes the whole reply.
     top_p = 1: the first token in id order whose cumulative mass exceeds u of the total.
@@ -78,8 +84,9 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     sort of the candidates of NUCLEUS_SPANS (a set of tokens above a probability is a
     prefix of the sorted order, ties included), not of the whole vocabulary.
     """
-    if params.temperature == 0.0 or params.top_k == 1:
+    if params.is_greedy:
         return int(np.argmax(logits))
+    assert rng is not None, "sampling that is not greedy needs a generator"
     scaled = np.asarray(logits, dtype=np.float64) / params.temperature
     probs = np.exp(scaled - scaled.max())
     u = rng.random()

@@ -40,7 +40,18 @@ def native(tokenizer):
 
 @pytest.fixture(scope="module")
 def jinja(tokenizer):
-    return ChatRenderer(tokenizer, builtin_template())
+    """The built-in template through jinja: a trailing comment makes it another template's text."""
+    renderer = ChatRenderer(tokenizer, builtin_template() + "{# rendered by jinja #}")
+    assert not renderer.renders_natively
+    return renderer
+
+
+@pytest.fixture(scope="module")
+def builtin(tokenizer):
+    """What a server with the built-in template (random weights, the tiny model) renders with."""
+    renderer = ChatRenderer(tokenizer, builtin_template())
+    assert renderer.renders_natively
+    return renderer
 
 
 # ---- strategies -------------------------------------------------------------------
@@ -125,9 +136,44 @@ def _next_request(messages, reply_index, next_user):
 
 @settings(max_examples=120, deadline=None)
 @given(conv=conversations(), thinking=st.booleans(), generation=st.booleans())
-def test_native_equals_jinja_template(native, jinja, conv, thinking, generation):
+def test_native_equals_jinja_template(native, jinja, builtin, conv, thinking, generation):
     messages, tools = conv
-    assert native.text(messages, tools, generation, thinking) == jinja.text(messages, tools, generation, thinking)
+    text = jinja.text(messages, tools, generation, thinking)
+    assert native.text(messages, tools, generation, thinking) == text
+    assert builtin.text(messages, tools, generation, thinking) == text
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}],
+        [{"role": "system", "content": "only"}],
+        [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+        [{"role": "user", "content": 7}],
+    ],
+    ids=["no-messages", "late-system", "no-user-query", "unknown-role", "image-part", "int-content"],
+)
+def test_the_builtin_template_fails_as_jinja_does(native, builtin, jinja, messages):
+    """Where the native renderer refuses, the built-in template's renderer gives jinja's error."""
+    with pytest.raises(ChatError) as ours:
+        builtin.text(messages)
+    with pytest.raises(ChatError) as theirs:
+        jinja.text(messages)
+    with pytest.raises(ChatError) as natives:
+        native.text(messages)
+    assert str(ours.value) == str(theirs.value)
+    assert str(natives.value) != str(theirs.value)  # the native error would read otherwise
+
+
+@pytest.mark.parametrize("thinking", [True, False, None, 0, 1], ids=["true", "false", "none", "zero", "one"])
+def test_the_builtin_template_reads_enable_thinking_as_jinja_does(builtin, jinja, thinking):
+    """The template tests `enable_thinking is false`: only False closes the think block."""
+    messages = [{"role": "user", "content": "hi"}]
+    text = builtin.text(messages, enable_thinking=thinking)
+    assert text == jinja.text(messages, enable_thinking=thinking)
+    assert text.endswith("<think>\n\n</think>\n\n" if thinking is False else "<think>\n")
 
 
 @pytest.mark.parametrize("which", ["native", "jinja"])

@@ -7,6 +7,7 @@ requests (not hang them) when it dies, and report start-up failures with their k
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from aiohttp.test_utils import make_mocked_request
 from executor.api_schema import ApiError
 from executor.chat import ChatRenderer, load_template
 from executor.config import load_config
-from executor.engine import EngineClient, EngineFailed, _wire
+from executor.engine import EngineClient, EngineFailed, _pack, _post, _unpack, _wire
 from executor.model import tiny_model_dir
 from executor.numba_cuda.device import is_gpu_available
 from executor.reference.backend import ReferenceBackend
@@ -196,6 +197,22 @@ def test_only_chat_continuations_cross_the_pipe(renderer):
         _wire(attrs.evolve(job, continuation=lambda text: None))
     with pytest.raises(RuntimeError, match="no renderer"):
         wired.continuation("hello")
+
+
+def test_events_cross_the_pipe_as_tuples_and_come_back_equal():
+    """`_post` writes what `Connection.recv` reads; token events travel as plain tuples and
+    come back as the same `Tokens`; a `Done` travels as itself."""
+    here, there = multiprocessing.Pipe()
+    tokens = Tokens((5, 248046), " hi")
+    done = Done(reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=1, token_ids=(5, 248046),
+                text=" hi")
+    _post(here, ("events", [_pack("req-1", tokens), _pack("req-1", done)], (1, 0, None)))
+    message = there.recv()
+    assert message == ("events", [("req-1", (5, 248046), " hi"), ("req-1", done)], (1, 0, None))
+    assert [_unpack(item) for item in message[1]] == [("req-1", tokens), ("req-1", done)]
+    here.close()
+    with pytest.raises(OSError):
+        _post(there, ("close",))
 
 
 def test_runtime_sink_and_after_commit(renderer):

@@ -401,6 +401,34 @@ def test_two_runtimes_give_identical_results(model):
     assert first == second and first[0] == first[1]
 
 
+def test_only_sampled_requests_get_a_generator(model, monkeypatch):
+    """A greedy request (temperature 0, or top_k 1) draws nothing, so none is made for it; a
+    sampled one gets `new_rng(seed)`, and its reply is the one that generator draws."""
+    import executor.runtime as runtime_module
+
+    backend, tok, _ = model
+    made: list[int] = []
+    monkeypatch.setattr(runtime_module, "new_rng", lambda seed: made.append(seed) or np.random.default_rng(seed))
+    sampled = SamplingParams(temperature=0.8, top_p=0.9)
+
+    async def run() -> dict[str, tuple[int, ...]]:
+        rt = Runtime(backend, tok, CFG)
+        await rt.start()
+        try:
+            handles = {name: rt.submit(_job(tok, max_tokens=4, sampling=params, seed=seed))
+                       for name, params, seed in (("greedy", SamplingParams(), 5),
+                                                  ("top_k_1", SamplingParams(temperature=0.8, top_k=1), 6),
+                                                  ("sampled", sampled, 7))}
+            assert [rt._lives[h.id].rng is None for h in handles.values()] == [True, True, False]
+            return {name: (await _collect(h))[1].token_ids for name, h in handles.items()}
+        finally:
+            await rt.close()
+
+    replies = asyncio.run(run())
+    assert made == [7]
+    assert replies["greedy"] == replies["top_k_1"] and len(replies["sampled"]) == 4
+
+
 def test_conversation_matching():
     convs = Conversations(capacity=2)
     ids = list(range(100, 140))

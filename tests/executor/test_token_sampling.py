@@ -18,6 +18,16 @@ def test_greedy_takes_the_lowest_id_among_ties():
     assert sample(LOGITS, SamplingParams(), new_rng(0)) == 1
 
 
+def test_greedy_needs_no_generator_and_draws_nothing_from_one():
+    assert SamplingParams().is_greedy and SamplingParams(temperature=0.7, top_k=1).is_greedy
+    assert not SamplingParams(temperature=0.7).is_greedy and not SamplingParams(temperature=0.7, top_k=2).is_greedy
+    assert sample(LOGITS, SamplingParams(), None) == 1
+    assert sample(LOGITS, SamplingParams(temperature=0.7, top_k=1), None) == 1
+    rng = new_rng(5)
+    sample(LOGITS, SamplingParams(), rng)
+    assert rng.random() == new_rng(5).random()
+
+
 def test_a_seed_reproduces_the_draws():
     params = SamplingParams(temperature=1.3, top_p=0.9)
     a = [sample(LOGITS, params, rng) for rng in [new_rng(7)] for _ in range(50)]
