@@ -98,8 +98,10 @@ def _content_text(content: Any, field: str) -> str:
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Copies of the messages with tool-call `arguments` given as JSON strings (the
-    OpenAI wire form) parsed into dicts, key order kept as generated (never sorted), and
-    a `reasoning` string (the newer OpenAI-style name) copied to `reasoning_content`.
+    OpenAI wire form) parsed into dicts, key order kept as generated (never sorted), null
+    `arguments` dropped (as if absent: a template's `|items` would raise on it, the native
+    renderer reads it as empty), and a `reasoning` string (the newer OpenAI-style name)
+    copied to `reasoning_content`.
 
     Raises ChatError naming the field (e.g. "messages[2].tool_calls[0].function.arguments").
     """
@@ -128,6 +130,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                     raise ChatError(f"{field}: must be a JSON object")
                 if args is not None:
                     inner["arguments"] = args
+                else:  # null reads as absent, in the native renderer and in templates alike
+                    inner.pop("arguments", None)
                 if not isinstance(inner.get("name"), str):
                     raise ChatError(field.rsplit(".", 1)[0] + ".name: missing or not a string")
                 if inner_key:

@@ -55,13 +55,16 @@ split its few CTAs (27B 51 rows: 20) each walk every key block in turn while mos
 (150 us a layer at 2,035 keys, RESULTS.md session 17). Larger chunks fill the GPU with
 tiles and walk their segments in one CTA, folding as they go: the same bits either way."""
 SPLIT_GRID_Z = 16
-"""CTAs a (tile, K/V head) of a split launched for a captured chunk (meta given), whose key
-count is read on the device: CTA z takes segments z, z + 16, ...; an eager call launches one
-CTA a segment."""
+"""CTAs a (tile, K/V head) of a split launched for a captured chunk (`prefill` with meta and
+no keys), whose key count is read on the device at each replay: CTA z takes segments z,
+z + 16, ... (27B, 51 rows at 1,984 keys: 8 segments, one each). A launch that knows its keys
+(an eager chunk) has one CTA a segment."""
 SPLIT_SCRATCH_BYTES = 512 << 20
 """Most bytes a split's partials may take (f32 [segments, rows, q_heads, head_dim + 2]);
-past it the chunk walks its segments in one CTA. A captured chunk sizes them for the cache's
-capacity (27B, the 64-row bucket at 32,768 rows: 203 MB, held by the graphs' pool)."""
+past it the chunk walks its segments in one CTA (the same bits, 5-9x slower at short
+chunks). A captured chunk sizes them for the cache's capacity: 27B, the 64-row bucket at the
+server's default 32,768 rows takes 203 MB in the graphs' pool, and past ~86,000 rows of
+`--context` its chunks walk."""
 MAX_SHARED_BYTES = 232_448
 """Dynamic shared memory a CTA may take on sm_90 (227 KB)."""
 VARIANTS = {(16, 4, 3), (32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 1, 3), (256, 2, 3), (256, 4, 2),
@@ -175,7 +178,7 @@ def split_segments(rows: int, q_heads: int, kv_heads: int, head_dim: int, keys: 
 
 
 def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None,
-            meta=None, stages: int | None = None, split: bool | None = None):
+            meta=None, stages: int | None = None, split: bool | None = None, keys: int | None = None):
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
@@ -195,7 +198,10 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     meta: None or i32 device [>= 3] = (rows in use, start, slot), read by the kernels on the
     device (a captured step replays with other values: graphs.PrefillGraphs; rows past
     meta[0] are neither read nor written, and start and slot are checked here only as
-    given, a split's partials sized for the cache's capacity); None uploads (rows, start, slot).
+    given); None uploads (rows, start, slot). keys: the most keys a row of this launch sees,
+    which sizes a split's partials and its CTAs (at least start + rows, at most the
+    capacity); None: start + rows, or with meta the capacity (a captured chunk replays at
+    any start: SPLIT_GRID_Z CTAs a tile, each taking every 16th segment). No bit depends on it.
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -224,24 +230,26 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
             raise ValueError(f"{name} must be C-contiguous")
         if array.size and not IS_SIMULATOR and device_pointer(array) % align:
             raise ValueError(f"{name} must be {align}-byte aligned")
+    anywhere = keys is None and meta is not None  # a captured chunk: partials for the capacity's segments
+    keys = (capacity if anywhere else start + rows) if keys is None else keys
+    if not start + rows <= keys <= capacity:
+        raise ValueError(f"keys {keys} must lie in [start + rows, capacity] = [{start + rows}, {capacity}]")
     if IS_SIMULATOR:
         raise RuntimeError(f"fused prefill attention: {unavailable(head_dim)}")
     group = q_heads // kv_heads
     out = empty((rows, q_heads * head_dim), np.uint16, stream) if out is None else out
     if not rows:
         return out
-    # a captured chunk (meta given) may start anywhere: its partials hold the capacity's segments
-    segments = split_segments(rows, q_heads, kv_heads, head_dim, capacity if meta is not None else start + rows)
+    segments = split_segments(rows, q_heads, kv_heads, head_dim, keys)
     if split is None:
         split = segments > 0
     elif split:
-        segments = max(segments, -(-(capacity if meta is not None else start + rows) // SEGMENT_KEYS))
+        segments = max(segments, -(-keys // SEGMENT_KEYS))
     if warps is None:
         warps = 4 if head_dim == 256 and (split or rows * group <= SHORT_VIRTUAL_ROWS) else WARPS.get(head_dim)
     launch, threads, nbytes = kernel(head_dim, warps, stages, split)
     tiles = -(-rows * group // (threads // 32 * 16))
     slot_bytes = capacity * kv_heads * head_dim * 2
-    meta_given = meta is not None
     meta = chunk_meta(meta, rows, start, slot, stream)
     scale = np.float32(1.0 / np.sqrt(head_dim))
     if not split:
@@ -251,7 +259,7 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
         return out
     partials = empty((segments, rows, q_heads, head_dim), np.float32, stream)
     ml = empty((segments, rows, q_heads, 2), np.float32, stream)
-    launch[(tiles, kv_heads, SPLIT_GRID_Z if meta_given else segments), threads, stream, nbytes](
+    launch[(tiles, kv_heads, min(SPLIT_GRID_Z, segments) if anywhere else segments), threads, stream, nbytes](
         device_pointer(q), device_pointer(qg), device_pointer(kcache), device_pointer(vcache), slot_bytes,
         device_pointer(out), device_pointer(partials), device_pointer(ml), rows, meta, q_heads, kv_heads, scale)
     combine_kernel(head_dim)[(rows, q_heads), max(1, head_dim // 2), stream](

@@ -362,7 +362,7 @@ class NumbaCudaBackend:
         return mm(gated, w["out_proj"], stream=stream)
 
     def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, at, stream,
-                        meta=None):
+                        meta=None, padded: bool = False):
         """K/V for every row; q, attention and o_proj for rows [first, rows) (None if empty)."""
         c, w = self.config, self.w.layers[i]
         kv = mm(h, w["kv_proj"], stream=stream)
@@ -384,7 +384,10 @@ class NumbaCudaBackend:
         elif self._prefill_path() == "flash":
             if first and meta is not None:  # the tail's rows: meta describes the whole chunk
                 meta = None
-            out = attention_flash.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream, meta=meta)
+            # keys: an eager chunk's own (its split holds partials for them alone), a captured one's
+            # (padded) any row's up to the capacity, as its replays start anywhere
+            out = attention_flash.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream, meta=meta,
+                                          keys=None if padded else max_pos + 1)
         elif self._prefill_attention == "matrix":
             out = self.matrix_attention.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
         else:
@@ -419,7 +422,8 @@ class NumbaCudaBackend:
             h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta, stream=stream, threads=norm_threads)
             first = first_tail if i == last else 0
             if kind == FULL:
-                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream, meta)
+                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream, meta,
+                                         padded)
                 full += 1
             else:
                 y = self._linear_attention(i, lin, h, mm, row_start, lane_slots, at, stream, meta, padded)

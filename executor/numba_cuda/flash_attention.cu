@@ -29,9 +29,14 @@
 // whatever chunk, tile or warp it sits in; a block past the row's position (processed
 // because another row of the warp needs it) has every x = -inf, so m and l are unchanged,
 // alpha = 2^0 = 1 and P = 0 adds exact zeros: same bits as not processing it; a segment
-// wholly past it leaves m = -inf and is neither folded nor read. Rows of one mma never mix
+// wholly past it (walked because a warp-mate needs it) leaves m = -inf and folds with c1 = 1,
+// c2 = 0, which changes no bit, and `flash_combine` never reads it. Rows of one mma never mix
 // (row i of D reads row i of A only), so neither the warps a CTA has, nor the rows beside a
-// row in its CTA, nor whether its segments are split over CTAs change its bits.
+// row in its CTA, nor whether its segments are split over CTAs change its bits. One
+// exception is left, in the sign of a zero only: an output element that is exactly -0 (every
+// product p v of the row in that column -0, or an O scaled below the smallest float) turns
+// +0 when an exact zero is added to it, which a masked block or an empty segment does for
+// some chunkings and not others. No such element was ever seen; a review found it (session 20).
 //
 // Shapes (all row-major, C-contiguous): q f32 [rows, q_heads, D] (after QK-norm and
 // RoPE); qg f32 [rows, q_heads * 2 * D] (the gate is the second half of each head);
@@ -416,7 +421,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
             if (s0 >= warp_blocks) return;  // no row of the warp reaches the segment
             const float ls[2] = {quad_sum(l[0]), quad_sum(l[1])};
             // no key of a row in the segment (m = -inf): c1 = 1, c2 = 0, O_s = l_s = 0, so the
-            // fold changes no bit (O != -0: the row's largest key adds p = 1)
+            // fold changes no bit (but a -0 in O: see the header)
             float c1[2], c2[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {

@@ -247,6 +247,10 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads:
         check("delta", delta, np.float32, 2)
         if tuple(delta.shape) != tuple(x.shape):
             raise ValueError(f"delta shape {delta.shape} != x shape {x.shape}")
+    if out is not None:
+        check("out", out, np.uint16, 2)
+        if tuple(out.shape) != (rows, dim):
+            raise ValueError(f"out {out.shape} must be [{rows}, {dim}]")
     out = empty((rows, dim), np.uint16, stream) if out is None else out
     if fused is None:
         fused = fused_unavailable(dim, threads) is None

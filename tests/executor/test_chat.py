@@ -302,6 +302,20 @@ def test_nested_arguments_keep_their_key_order(native, jinja):
     assert native.text(as_dict, TOOLS) == text
 
 
+def test_null_arguments_read_as_absent_in_every_renderer(native, jinja, builtin):
+    """A tool call with `"arguments": null` renders as one without arguments, natively and
+    through a template (whose `|items` would raise on null; a fresh review found the native
+    renderer alone accepting it). The API rejects null before rendering; this is the
+    library's contract."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": None}}]}
+    bare = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}
+    ask = {"role": "user", "content": "hi"}
+    expected = native.text([ask, bare])
+    assert "<tool_call>\n<function=f>\n</function>\n</tool_call>" in expected
+    for renderer in (native, jinja, builtin):
+        assert renderer.text([ask, call]) == expected
+
+
 def test_empty_contents(native, jinja):
     messages = [
         {"role": "system", "content": ""},

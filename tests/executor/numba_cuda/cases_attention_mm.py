@@ -166,6 +166,10 @@ def test_prefill_attention_choice_and_flash_input_errors():
         attention_flash.prefill(q, to_device(qg), kc, vc, 1, -1)
     with pytest.raises(ValueError, match="out"):
         attention_flash.prefill(q, to_device(qg), kc, vc, 1, 3, out=to_device(np.zeros((5, 63), np.uint16)))
+    with pytest.raises(ValueError, match=r"keys 7 must lie in \[start \+ rows, capacity\] = \[8, 256\]"):
+        attention_flash.prefill(q, to_device(qg), kc, vc, 1, 3, keys=7)
+    with pytest.raises(ValueError, match="keys 257"):
+        attention_flash.prefill(q, to_device(qg), kc, vc, 1, 3, keys=257)
     if IS_SIMULATOR:
         with pytest.raises(RuntimeError, match="simulator"):
             attention_flash.prefill(q, to_device(qg), kc, vc, 1, 3)

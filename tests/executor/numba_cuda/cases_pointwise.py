@@ -71,6 +71,9 @@ def test_add_rms_norm_rejects_unroll_0():
     with pytest.raises(ValueError, match="unroll"):
         norms.add_rms_norm(to_device(np.zeros((1, 32), np.float32)), to_device(np.zeros(32, np.float32)), 1e-6,
                            threads=32, unroll=0)
+    with pytest.raises(ValueError, match=r"out \(2, 32\) must be \[1, 32\]"):
+        norms.add_rms_norm(to_device(np.zeros((1, 32), np.float32)), to_device(np.zeros(32, np.float32)), 1e-6,
+                           out=to_device(np.zeros((2, 32), np.uint16)), threads=32)
 
 
 @pytest.mark.parametrize("rows,heads,dim", [(2, 3, 16), (5, 3, 128)])

@@ -131,7 +131,8 @@ def test_a_split_gives_the_walk_s_bits(heads, kv_heads, head_dim, start, rows):
 def test_a_captured_split_reads_rows_and_start_from_meta(start, used):
     """A chunk launched for a graph (meta on the device, 64 padded rows, partials for the
     capacity's segments, 16 CTAs a tile taking segments z, z + 16, ...) gives its rows in use
-    the bits of an eager call, and leaves the padded rows' output alone."""
+    the bits of an eager call, and leaves the padded rows' output alone; so does a chunk
+    launched with meta and its own keys (the backend's eager chunks)."""
     from executor.numba_cuda.device import chunk_meta
     r = rng()
     heads, kv_heads, head_dim, padded = 24, 4, 256, 64
@@ -143,8 +144,14 @@ def test_a_captured_split_reads_rows_and_start_from_meta(start, used):
     with poisoned():
         attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 1, 0, out=out, meta=meta)
     got = out.copy_to_host()  # not `host`: the padded rows keep their NaN on purpose
-    np.testing.assert_array_equal(got[:used], _run(q[:used], qg[:used], kc, vc, 1, start))
+    alone = _run(q[:used], qg[:used], kc, vc, 1, start)
+    np.testing.assert_array_equal(got[:used], alone)
     assert (got[used:] == 0x7FC1).all()
+    # an eager chunk the backend launches with meta and its own keys: one CTA a segment
+    with poisoned():
+        eager = host(attention_flash.prefill(to_device(q[:used]), to_device(qg[:used]), kc, vc, 1, start,
+                                             meta=chunk_meta(None, used, start, 1), keys=start + used))
+    np.testing.assert_array_equal(eager, alone)
 
 
 def test_flash_at_a_capacity_of_exactly_the_blocks_it_reads():
