@@ -252,10 +252,10 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads:
         if tuple(out.shape) != (rows, dim):
             raise ValueError(f"out {out.shape} must be [{rows}, {dim}]")
     out = empty((rows, dim), np.uint16, stream) if out is None else out
+    why = fused_unavailable(dim, threads) if fused is not False else None
     if fused is None:
-        fused = fused_unavailable(dim, threads) is None
+        fused = why is None
     if fused and rows:
-        why = fused_unavailable(dim, threads)
         if why is not None:
             raise ValueError(f"the C++ norm cannot run: {why}")
         for name, array, align in (("x", x, 16), ("delta", delta, 16), ("weight", weight, 16), ("out", out, 8)):
