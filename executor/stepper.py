@@ -99,7 +99,7 @@ class Plan:
 class Outcome:
     """What a step produced: new states by stream, the snapshot a keep asked for, the
     tokens (request, token id, released text), lanes that stopped, requests whose reply
-    ended (their continuation is rendered), the error that stopped it, if any, and
+    ended (the commit renders their continuation: `Stepper.render_continuation`), the error that stopped it, if any, and
     `phases`: host seconds the step spent in each of PHASES (only those it ran; a backend
     that queues work asynchronously is timed up to its return, so a phase that reads
     results back, like a prefill that returns logits, also waits for the device)."""
@@ -272,6 +272,20 @@ class Stepper:
             out.published = len(out.tokens)
             self.publish(tokens)
 
+    @staticmethod
+    def render_continuation(live: Live) -> None:
+        """Render the continuation of a reply that ended into `live.continuation` (None when
+        the job has none, or when the chat format cannot render the reply: then no warm pass,
+        and a warning). The runtime calls it in its commit, after the step's tokens went
+        out, not in the step: the render (0.5-5 ms on a CPU server, holding the GIL) delayed
+        the tokens of every lane in the step that ended a reply (bench/RESULTS.md, session 21)."""
+        if live.job.continuation is None or live.continuation is not None:
+            return
+        try:
+            live.continuation = live.job.continuation(live.text.text)
+        except Exception as exc:  # a reply the chat format cannot render: no warm pass
+            log.warning("continuation_failed", request=live.handle.id, error=repr(exc))
+
     def _take(self, live: Live, token: int, out: Outcome) -> None:
         """Record one sampled token: the text it releases, and whether it ends the reply."""
         live.tokens.append(token)
@@ -283,13 +297,8 @@ class Stepper:
             live.ended = live.stop_seen = live.text.stopped
         if len(live.tokens) >= live.job.max_tokens:
             live.ended = True
-        if live.ended:
+        if live.ended:  # its continuation is rendered in the commit (`render_continuation`)
             live.flushed = live.text.finish()
             text += live.flushed
-            if live.job.continuation is not None:
-                try:
-                    live.continuation = live.job.continuation(live.text.text)
-                except Exception as exc:  # a reply the chat format cannot render: no warm pass
-                    log.warning("continuation_failed", request=live.handle.id, error=repr(exc))
             out.ended.append(live)
         out.tokens.append((live, token, text))

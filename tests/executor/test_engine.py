@@ -336,11 +336,10 @@ def test_a_second_signal_kills_a_wedged_engine():
         server.kill()
 
 
-def test_deferred_work_runs_in_the_loop_as_steps_go_out(renderer, monkeypatch):
-    """Runtime.defer: each item runs once, in order, in the loop thread, as a step goes to
-    the worker; with no time budget, one item a step; a failing item is logged and serving
-    goes on. (Which step an item went out with is counted at dispatch: whether the worker
-    finishes the step before the loop runs the item depends on the GIL.)"""
+def test_deferred_work_runs_in_the_loop_between_steps(renderer, monkeypatch):
+    """Runtime.defer: each item runs once, in order, in the loop thread, after a step's
+    commit; with no time budget, one item a step; a failing item is logged and serving
+    goes on."""
     import threading
 
     from executor import runtime as runtime_module
@@ -357,10 +356,18 @@ def test_deferred_work_runs_in_the_loop_as_steps_go_out(renderer, monkeypatch):
             inner()
 
         runtime._run_background = counted
-        ran: list[tuple[str, int, str]] = []
+        commits: list[int] = []
+        inner_commit = runtime._commit
+
+        def counted_commit(*args, **kwargs):
+            inner_commit(*args, **kwargs)
+            commits.append(1)
+
+        runtime._commit = counted_commit
+        ran: list[tuple[str, int, str, int]] = []
 
         def item(name):
-            return lambda: ran.append((name, len(dispatched), threading.current_thread().name))
+            return lambda: ran.append((name, len(dispatched), threading.current_thread().name, len(commits)))
 
         await runtime.start()
         try:
@@ -375,8 +382,48 @@ def test_deferred_work_runs_in_the_loop_as_steps_go_out(renderer, monkeypatch):
     dispatched, ran, done = asyncio.run(run())
     assert done[1].completion_tokens == 4 and len(dispatched) >= 4  # the failing item stopped nothing
     assert [name for name, *_ in ran] == ["a", "b"]
-    assert all(thread == threading.main_thread().name for *_, thread in ran)
-    assert [step for _, step, _ in ran] == [1, 3]  # "a" with the first step, the failing one the second, "b" the third
+    assert all(thread == threading.main_thread().name for _, _, thread, _ in ran)
+    assert [step for _, step, _, _ in ran] == [1, 3]  # "a" after the first step, the failing one the second, "b" the third
+    assert [c for *_, c in ran] == [1, 3]  # each after its step's commit, never while the step runs
+
+
+def test_a_reply_s_tokens_leave_before_its_continuation_renders(renderer):
+    """The commit of a step that ends a chat reply delivers the step's tokens and calls
+    after_commit (the engine process sends them) before the continuation renders (the
+    render held the GIL inside the step, 0.5-5 ms on a CPU server, delaying every lane's
+    token); the continuation still reaches the scheduler: the warm pass runs."""
+
+    async def run():
+        runtime = Runtime(ReferenceBackend.from_dir(tiny_model_dir()), renderer.tokenizer, POLICY)
+        job = _job(renderer, max_tokens=3)
+        delivered: list[int] = []
+        sent: list[int] = []
+        seen: list[tuple[int, int | None]] = []
+        inner_deliver, inner_render = runtime._deliver_tokens, job.continuation
+
+        def deliver(tokens):
+            delivered.extend(token for _, token, _ in tokens)
+            inner_deliver(tokens)
+
+        def render(text):
+            seen.append((len(delivered), sent[-1] if sent else None))
+            return inner_render(text)
+
+        runtime._deliver_tokens = deliver
+        runtime.after_commit = lambda: sent.append(len(delivered))
+        await runtime.start()
+        try:
+            done = await _collect(runtime.submit(attrs.evolve(job, continuation=render)))
+            await asyncio.sleep(0.5)  # the warm pass runs
+            metrics = runtime.metrics_text().decode()
+        finally:
+            await runtime.close()
+        return seen, done, metrics
+
+    seen, done, metrics = asyncio.run(run())
+    assert done[1].completion_tokens == 3
+    assert seen == [(3, 3)]  # rendered once, with all three tokens delivered and sent
+    assert 'warmstate_warm_passes_total{event="finished"} 1.0' in metrics
 
 
 def test_the_engine_prewarms_each_chat_request_s_history(renderer):
