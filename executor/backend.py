@@ -22,7 +22,10 @@ class Backend(Protocol):
     fp32 recurrent matrix [value_heads, key_dim, value_dim] and the conv tail
     [kernel - 1, conv_channels] at P, the full-attention layers' K/V rows [0, P), and the
     logits of row P - 1 when the last call computed them. A *payload* is an immutable
-    copy of a state, kept in the prompt cache.
+    copy of a state, kept in the prompt cache. A state may carry `greedy`: the argmax of
+    those logits as np.argmax gives it, computed where the logits were (the numba-cuda
+    backend's device), or None; the stepper then picks a greedy lane's token without a
+    host pass over the vocabulary (`executor.stepper.Stepper`).
 
     Contracts (tested): prefill in any chunks equals whole-prompt prefill to float
     tolerance; restore(snapshot(s)) then continuing equals never stopping; a lane's

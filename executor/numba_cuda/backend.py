@@ -30,7 +30,7 @@ from numba import cuda
 from executor.backend import frozen_logits, shared_segments
 from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_mma, delta_rule,
-                                 device_weights, elementwise, norms)
+                                 device_weights, elementwise, greedy, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import columns, copy_of, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
@@ -473,9 +473,10 @@ class NumbaCudaBackend:
             raise ValueError("a tail needs a full-attention last layer")
         n = end - start
         graphs = self._prefill_graphs
+        pick = None
         if graphs is not None and graphs.serves(start, end):  # the full last layer: the same bits (tail == full)
-            logits = graphs.prefill(state.slot, ids, start, end)[None]
-            logits = logits if want_logits else None
+            logits, pick = graphs.prefill(state.slot, ids, start, end)
+            logits = logits[None] if want_logits else None
         else:
             # one upload: ids | positions | row slots | lane slot | row_start (0, n) | meta (n, start, slot)
             inputs = _i32(np.concatenate([ids, np.arange(start, end), np.full(n, state.slot),
@@ -485,8 +486,12 @@ class NumbaCudaBackend:
                 inputs[3 * n + 1 : 3 * n + 3], end - 1, (state.slot, start), tail_from - start, want_logits,
                 meta=inputs[3 * n + 3 :],
             )
-            logits = None if logits is None else logits.copy_to_host()
+            if logits is not None:
+                picks = greedy.argmax_rows(logits)
+                logits = logits.copy_to_host()
+                pick = int(picks.copy_to_host()[0])
         state.rows = end
+        state.greedy = pick if logits is not None else None
         if logits is None:
             state.logits = None
             return None
@@ -531,14 +536,16 @@ class NumbaCudaBackend:
         return self._forward(ids, positions, slots, slots, row_start, max_pos, None, 0, True, stream)
 
     @staticmethod
-    def advance(states: Sequence[DeviceState], logits: np.ndarray) -> None:
+    def advance(states: Sequence[DeviceState], logits: np.ndarray, picks: Sequence[int]) -> None:
         """Record a finished decode round in the lanes' states. `logits` (the round's host
         array, f32 [lanes, vocab]) becomes read-only and each state keeps a view of its row:
-        no second copy of every lane's logits (16 lanes: 16 MB a round)."""
+        no second copy of every lane's logits (16 lanes: 16 MB a round); picks: each row's
+        argmax from the device (`greedy.argmax_rows`), kept as `DeviceState.greedy`."""
         logits.flags.writeable = False
         for lane, state in enumerate(states):
             state.rows += 1
             state.logits = logits[lane]
+            state.greedy = int(picks[lane])
 
     def decode(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> np.ndarray:
         """See `Backend.decode`. Every lane runs the same per-row kernels; a lane's bits
@@ -549,8 +556,10 @@ class NumbaCudaBackend:
         ids, positions, slots = self.decode_inputs(states, token_ids)
         lanes = len(states)
         logits = self.decode_step(_i32(ids), _i32(positions), _i32(slots), _i32(range(lanes + 1)),
-                                  int(positions.max()), 0).copy_to_host()
-        self.advance(states, logits)
+                                  int(positions.max()), 0)
+        picks = greedy.argmax_rows(logits)
+        logits = logits.copy_to_host()
+        self.advance(states, logits, picks.copy_to_host().tolist())
         return logits
 
     def activation_peak(self, chunk_rows: int) -> int:
@@ -637,7 +646,7 @@ class NumbaCudaBackend:
         for segment in payload.segments:
             self.pool.unpack_rows(segment, state.slot)
         state.rows = payload.rows
-        state.logits = frozen_logits(payload.logits)  # read-only already: shared, not copied
+        state.logits = frozen_logits(payload.logits)  # read-only already: shared, not copied (greedy: None)
         return state
 
     def ghost(self, payload: DevicePayload) -> DevicePayload:

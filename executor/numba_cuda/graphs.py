@@ -53,6 +53,7 @@ import attrs
 import numpy as np
 from numba import cuda
 
+from executor.numba_cuda import greedy
 from executor.numba_cuda.attention_flash import BLOCK_KEYS
 from executor.numba_cuda.device import DevicePool, to_device, using_pool
 
@@ -79,14 +80,17 @@ def _cu_stream(stream):
 @attrs.define(eq=False)
 class _Graph:
     """One captured decode step: device inputs (ids, positions, slots as the rows of one
-    i32 [3, lanes] array, and row_start), the logits buffer, pinned host mirrors of the
-    inputs and logits, everything it owns."""
+    i32 [3, lanes] array, and row_start), the logits buffer and each row's argmax
+    (`greedy.argmax_rows`, i32 [lanes]), pinned host mirrors of the inputs, logits and
+    argmax, everything it owns."""
 
     inputs: object
     row_start: object
     logits: object
+    picks: object
     host_inputs: np.ndarray
     host_logits: np.ndarray
+    host_picks: np.ndarray
     graph: object
     executable: object
 
@@ -119,9 +123,10 @@ class DecodeGraphs:
         graph.inputs.copy_to_device(graph.host_inputs, stream=stream)
         _checked(_driver.cuGraphLaunch(graph.executable, _cu_stream(stream)))
         graph.logits.copy_to_host(graph.host_logits, stream=stream)
+        graph.picks.copy_to_host(graph.host_picks, stream=stream)
         stream.synchronize()
         logits = graph.host_logits.copy()
-        backend.advance(states, logits)
+        backend.advance(states, logits, graph.host_picks.tolist())
         return logits
 
     def prepare(self, lane_counts) -> None:
@@ -151,9 +156,13 @@ class DecodeGraphs:
         saved = [backend.pool.pack(int(slot), 0) for slot in slots]
         # once on the process's pool (compiles), once on the private pool (fills it with every
         # block the step takes), then the lanes' states put back and the same launches captured
-        backend.decode_step(*inputs, max_pos, stream)
+        def step():  # the round and its greedy picks
+            logits = backend.decode_step(*inputs, max_pos, stream)
+            return logits, greedy.argmax_rows(logits, stream=stream)
+
+        step()
         with using_pool(self.pool):
-            backend.decode_step(*inputs, max_pos, stream)
+            step()
         stream.synchronize()
         for slot, data in zip(slots, saved):
             backend.pool.unpack(data, int(slot), 0)
@@ -163,7 +172,7 @@ class DecodeGraphs:
         with cuda.defer_cleanup(), using_pool(self.pool):
             _checked(_driver.cuStreamBeginCapture(handle, _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
             try:
-                logits = backend.decode_step(*inputs, max_pos, stream)
+                logits, picks = step()
             except BaseException:
                 _driver.cuStreamEndCapture(handle)
                 raise
@@ -174,8 +183,9 @@ class DecodeGraphs:
         executable = _checked(_driver.cuGraphInstantiate(graph, 0))
         _checked(_driver.cuGraphUpload(executable, handle))  # else the first round pays the upload
         stream.synchronize()
-        return _Graph(packed, row_start, logits, cuda.pinned_array((3, lanes), np.int32),
-                      cuda.pinned_array(tuple(logits.shape), np.float32), graph, executable)
+        return _Graph(packed, row_start, logits, picks, cuda.pinned_array((3, lanes), np.int32),
+                      cuda.pinned_array(tuple(logits.shape), np.float32), cuda.pinned_array(lanes, np.int32),
+                      graph, executable)
 
     def replay_seconds(self, lanes: int, repeat: int = 10) -> float:
         """Device seconds per replay of the captured step for `lanes` lanes, replayed
@@ -211,14 +221,16 @@ which the server uses, times each bucket at capture and stops where the graph st
 @attrs.define(eq=False)
 class _PrefillGraph:
     """One captured chunk of `rows` (padded) rows: the device inputs (i32 [3 rows + 6]: ids |
-    positions | row slots | lane slot | row_start | meta), the logits buffer f32 [1, vocab],
-    their pinned host mirrors, the graph."""
+    positions | row slots | lane slot | row_start | meta), the logits buffer f32 [1, vocab]
+    and its argmax (i32 [1], `greedy.argmax_rows`), their pinned host mirrors, the graph."""
 
     rows: int
     inputs: object
     logits: object
+    picks: object
     host_inputs: np.ndarray
     host_logits: np.ndarray
+    host_picks: np.ndarray
     graph: object
     executable: object
 
@@ -254,10 +266,11 @@ class PrefillGraphs:
         blocks past `end` fit the capacity (`keys_fit`), as the eager path requires."""
         return self.bucket(end - start) is not None and keys_fit(end, self.backend.pool.capacity_rows)
 
-    def prefill(self, slot: int, ids: np.ndarray, start: int, end: int) -> np.ndarray:
+    def prefill(self, slot: int, ids: np.ndarray, start: int, end: int) -> tuple[np.ndarray, int]:
         """Run rows [start, end) of the stream in `slot` (token ids `ids`, checked by the
         caller) through the captured chunk of their bucket, advancing that slot's state;
-        returns the last row's logits, host f32 [vocab] (a fresh array)."""
+        returns the last row's logits, host f32 [vocab] (a fresh array), and their argmax
+        from the device (`greedy.argmax_rows`)."""
         n = end - start
         rows = self.bucket(n)
         if rows is None:
@@ -270,9 +283,10 @@ class PrefillGraphs:
         graph.inputs.copy_to_device(graph.host_inputs, stream=stream)
         _checked(_driver.cuGraphLaunch(graph.executable, _cu_stream(stream)))
         graph.logits.copy_to_host(graph.host_logits, stream=stream)
+        graph.picks.copy_to_host(graph.host_picks, stream=stream)
         stream.synchronize()
         self.replays += 1
-        return graph.host_logits[0].copy()
+        return graph.host_logits[0].copy(), int(graph.host_picks[0])
 
     def prepare(self, prune: bool = False) -> None:
         """Capture every bucket now (a server does this before it says ready, so no request
@@ -324,23 +338,23 @@ class PrefillGraphs:
             # run on the process's pool (compiles, pins GEMM algorithms), then on the private
             # pool (fills it with every block the step takes), then capture the same launches:
             # the private pool hands out only blocks it holds
-            backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+            def chunk():  # the padded chunk and its greedy pick
+                logits = backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+                return logits, greedy.argmax_rows(logits, stream=stream)
+
+            chunk()
             stream.synchronize()
             with using_pool(self.pool):
-                backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+                chunk()
                 stream.synchronize()
-
-                def eager() -> None:  # warm now: the pool holds every block the step takes
-                    backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
-
-                eager_s = _median_seconds(eager, stream)
+                eager_s = _median_seconds(chunk, stream)  # warm now: the pool holds every block the step takes
             misses = self.pool.misses
             handle = _cu_stream(stream)
             with cuda.defer_cleanup(), using_pool(self.pool):
                 _checked(_driver.cuStreamBeginCapture(
                     handle, _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
                 try:
-                    logits = backend._forward(*views[:5], rows - 1, (state.slot, 0), 0, True, stream, views[5], True)
+                    logits, picks = chunk()
                 except BaseException:
                     _driver.cuStreamEndCapture(handle)
                     raise
@@ -357,8 +371,8 @@ class PrefillGraphs:
                                                            stream))
         finally:
             backend.release(state)
-        return _PrefillGraph(rows, inputs, logits, host_inputs, cuda.pinned_array(tuple(logits.shape), np.float32),
-                             graph, executable)
+        return _PrefillGraph(rows, inputs, logits, picks, host_inputs, cuda.pinned_array(tuple(logits.shape), np.float32),
+                             cuda.pinned_array(1, np.int32), graph, executable)
 
     def close(self) -> None:
         """Destroy the captured graphs and free their private pool."""

@@ -30,13 +30,16 @@ from executor.numba_cuda.launch import fast
 
 @attrs.define(eq=False)
 class DeviceState:
-    """A live stream: its pool slot, the rows it holds, and the logits of row rows - 1
-    (host float32) when the last call computed them."""
+    """A live stream: its pool slot, the rows it holds, the logits of row rows - 1 (host
+    float32) when the last call computed them, and `greedy`: their argmax as the device
+    computed it (`greedy.argmax_rows`, equal to np.argmax of `logits`), or None (restored
+    logits, or none)."""
 
     slot: int
     rows: int = 0
     logits: np.ndarray | None = None
     released: bool = False
+    greedy: int | None = None
 
 
 @attrs.frozen(eq=False)

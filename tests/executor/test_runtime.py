@@ -578,3 +578,85 @@ def test_published_s_is_stamped_as_the_tokens_leave_not_after_the_hand_off():
     out.tokens.append((None, 3, "c"))
     stepper._publish(out, more=False)  # no more work in the step: the commit delivers it
     assert len(calls) == 1 and out.published == 2
+
+
+def test_pick_takes_the_backend_s_greedy_for_greedy_requests_only():
+    """`stepper.pick`: a greedy request takes the state's `greedy` (the backend's argmax)
+    when there is one, else np.argmax; a sampled request always draws from the logits."""
+    from types import SimpleNamespace
+
+    from executor.stepper import pick
+
+    logits = np.asarray([0.0, 5.0, 1.0, 4.9], np.float32)
+    live = lambda params, rng=None: SimpleNamespace(job=SimpleNamespace(sampling=params), rng=rng)  # noqa: E731
+    marked = SimpleNamespace(greedy=3)  # not the argmax: shows whose pick it is
+    assert pick(live(SamplingParams(temperature=0.0)), logits, marked) == 3
+    assert pick(live(SamplingParams(temperature=0.7, top_k=1)), logits, marked) == 3
+    assert pick(live(SamplingParams(temperature=0.0)), logits, SimpleNamespace(greedy=None)) == 1
+    assert pick(live(SamplingParams(temperature=0.0)), logits, None) == 1
+    draws = [pick(live(SamplingParams(temperature=1.0), np.random.default_rng(s)), logits, marked) for s in range(40)]
+    assert set(draws) <= {0, 1, 2, 3} and 1 in draws  # sampled from the logits, not the mark
+
+
+class _Boxed:
+    """A reference state with the `greedy` a device backend may attach (Backend docstring)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.greedy = inner, None
+
+
+class Marking(Scripted):
+    """Scripted, with states that carry `greedy`: (argmax + 1) % vocab of the logits each
+    call returns, a value the host's argmax would never give, so a reply built from it
+    shows that the stepper took the backend's pick for the first token and every decode
+    round."""
+
+    def __init__(self, inner, script) -> None:
+        super().__init__(inner, script)
+
+    def _mark(self, box, logits):
+        box.greedy = None if logits is None else int((np.argmax(logits) + 1) % logits.shape[-1])
+
+    def new_state(self):
+        return _Boxed(super().new_state())
+
+    def prefill(self, state, token_ids, rows, want_logits=True):
+        out = super().prefill(state.inner, token_ids, rows, want_logits)
+        self._mark(state, out)
+        return out
+
+    def decode(self, states, token_ids):
+        out = super().decode([s.inner for s in states], token_ids)
+        for box, row in zip(states, out):
+            self._mark(box, row)
+        return out
+
+    def snapshot(self, state, base=None):
+        return super().snapshot(state.inner, base)
+
+    def restore(self, payload):
+        return _Boxed(super().restore(payload))
+
+    def state_bytes(self, state):
+        return super().state_bytes(state.inner)
+
+
+def test_greedy_lanes_take_the_state_s_pick_sampled_lanes_do_not(model):
+    """Through the runtime: a greedy reply is the backend's picks (first token from the
+    prefill's state, the rest from decode rounds); a sampled reply ignores them."""
+    backend, tok, _ = model
+    script = [tok.token_to_id(w) for w in ("Hi", "there", "friend", "again")]
+    marking = Marking(backend, script)
+
+    async def run(params):
+        rt = Runtime(marking, tok, CFG)
+        await rt.start()
+        try:
+            return (await _collect(rt.submit(_job(tok, max_tokens=4, sampling=params))))[1]
+        finally:
+            await rt.close()
+
+    greedy = asyncio.run(run(SamplingParams(temperature=0.0)))
+    assert greedy.token_ids == tuple((t + 1) % backend.config.vocab_size for t in script)
+    sampled = asyncio.run(run(SamplingParams(temperature=1e-3)))  # near-greedy sampling: the scripted tokens
+    assert sampled.token_ids == tuple(script)

@@ -457,6 +457,8 @@ def _decode_lanes(gpu, prompts, lanes_at_once, decode=None, with_states=False):
         rows = []
         for g in range(0, len(states), lanes_at_once):
             rows.append(decode(states[g : g + lanes_at_once], tokens[g : g + lanes_at_once]))
+            # the device's greedy pick of each lane (greedy.argmax_rows) is the host's argmax
+            assert [s.greedy for s in states[g : g + lanes_at_once]] == np.argmax(rows[-1], axis=1).tolist()
         out.append(np.concatenate(rows))
     packed = [gpu.pool.pack(s.slot, s.rows).copy_to_host() for s in states] if with_states else None
     for s in states:

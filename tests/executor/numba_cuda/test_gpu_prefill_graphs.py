@@ -56,6 +56,7 @@ def _run(gpu, cuts, ids, graphs: bool, state=None):
     with contextlib.nullcontext() if graphs else gpu.eager_prefill():
         for a, b in zip(cuts, cuts[1:]):
             logits.append(gpu.prefill(state, ids, (a, b)))
+            assert state.greedy == int(np.argmax(logits[-1])), f"the device's greedy pick after rows [{a}, {b})"
             packs.append(gpu.pool.pack(state.slot, b).copy_to_host())
     return state, logits, packs
 

@@ -33,6 +33,6 @@ def test_every_kernel_module_has_cases():
     """Each kernel module of executor/numba_cuda is exercised by some cases file."""
     sources = "".join((HERE / c).read_text() for c in CASES)
     kernel_modules = ["attention", "attention_flash", "attention_mm", "attention_prep", "conv", "delta_chunked", "delta_mma", "delta_rule", "elementwise",
-                      "gemv", "norms"]
+                      "gemv", "greedy", "norms"]
     missing = [m for m in kernel_modules if f" {m}" not in sources and f"{m}," not in sources]
     assert not missing, f"no cases for {missing}"
