@@ -110,6 +110,8 @@ class Handle:
 
 BACKGROUND_BUDGET_S = 0.001
 """Seconds of deferred work (`Runtime.defer`) the loop runs per step, past the first item."""
+BACKGROUND_MAX_WAIT_STEPS = 16
+"""Steps deferred work waits at most while some request awaits its first token."""
 PUBLISH_WAIT_S = 0.002
 """Seconds the worker waits, after publishing first tokens early (`Stepper.publish`), for
 the loop thread to hand them on before it goes on with its step. Both threads share the
@@ -162,7 +164,8 @@ class Runtime:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.broken: str | None = None
-        self._background: collections.deque[Callable[[], None]] = collections.deque()
+        self._background: collections.deque[tuple[Callable[[], None], int]] = collections.deque()
+        self._steps_run = 0
         self.after_commit: Callable[[], None] | None = None
         """Called in the loop thread after each step's commit has delivered its events and
         before the next step starts (the engine process sends the step's tokens here, so
@@ -214,13 +217,16 @@ class Runtime:
     def defer(self, work: Callable[[], None]) -> None:
         """Run `work` in the loop thread between two steps, after a step's commit has sent its
         tokens and before the next step is planned, in order, at most BACKGROUND_BUDGET_S of
-        such work a step (and at least one item). Run as a step went to the worker (until
-        session 21), the work held the GIL the worker needed to start that step: on the H200
-        the off-grid warm turn's step started 0.45 ms after its request arrived, against
-        0.15 ms without the chat prewarm. Between steps it delays the next step instead, never
-        a first token. Keep each item short (the engine's chat prewarm pairs blocks with ids
-        and tokenizes nothing). An exception it raises is logged, not raised."""
-        self._background.append(work)
+        such work a step (and at least one item), and only once no request awaits its first
+        token (or the oldest item has waited BACKGROUND_MAX_WAIT_STEPS steps): the next
+        step may be the one that makes a first token. A commit that renders a reply's
+        continuation runs every item first (the engine's prewarm is what keeps that render
+        from tokenizing the whole history). Run as a step went to the worker (until session
+        21), the work held the GIL the worker needed to start that step: on the H200 the
+        off-grid warm turn's step started 0.45 ms after its request arrived, against 0.15 ms
+        without the chat prewarm. Keep each item short (the engine's chat prewarm pairs
+        blocks with ids and tokenizes nothing). An exception it raises is logged, not raised."""
+        self._background.append((work, self._steps_run))
 
     def submit(self, job: Job, sink: Callable[[Tokens | Done], None] | None = None) -> Handle:
         """Queue `job`; returns its Handle. Raises Rejected with the scheduler's reason.
@@ -326,7 +332,10 @@ class Runtime:
                 running = loop.run_in_executor(self._pool, self._stepper.run, plan)
                 outcome = await running
                 self._commit(plan, outcome, self._clock() - t0)
-                self._run_background()
+                self._steps_run += 1
+                if self._background and (not self._awaiting_first_token()
+                                         or self._steps_run - self._background[0][1] >= BACKGROUND_MAX_WAIT_STEPS):
+                    self._run_background()
                 plan = outcome = running = None  # a refused keep's snapshot goes now, not after the next step
             except Exception as exc:  # a bug here must not leave clients hanging
                 log.exception("runtime_failed")
@@ -335,15 +344,21 @@ class Runtime:
                     self._deliver_done(live, "error", 0, f"internal error: {exc!r}")
                 return
 
-    def _run_background(self) -> None:
+    def _awaiting_first_token(self) -> bool:
+        """Whether some request (queued or admitted) has yet to get its first token."""
+        return any(not live.tokens and live.job.max_tokens > 0 for live in self._lives.values())
+
+    def _run_background(self, everything: bool = False) -> None:
+        """Deferred work in order: at least one item, then items until BACKGROUND_BUDGET_S
+        seconds have passed (everything: every item)."""
         t0 = time.perf_counter()
         while self._background:
-            work = self._background.popleft()
+            work, _ = self._background.popleft()
             try:
                 work()
             except Exception as exc:  # noqa: BLE001 - background work never stops serving
                 log.warning("background_work_failed", error=repr(exc))
-            if time.perf_counter() - t0 >= BACKGROUND_BUDGET_S:
+            if not everything and time.perf_counter() - t0 >= BACKGROUND_BUDGET_S:
                 return
 
     async def _idle(self) -> None:
@@ -397,6 +412,7 @@ class Runtime:
             out.published = len(out.tokens)
             if self.after_commit is not None:
                 self.after_commit()
+            self._run_background(everything=True)  # each render needs its prewarm (a reply can end in its first step)
         for live in out.ended:
             Stepper.render_continuation(live)
             self._attach_continuation(live)

@@ -106,7 +106,7 @@ class DecodeGraphs:
         self._graphs: dict[int, _Graph] = {}
         self.pool = DevicePool(1 << 62, release_on_oom=False)
         """The captured steps' buffers: every lane count's graph takes its blocks from here
-        and gives them back after its capture (the logits buffer excepted), so they share
+        and gives them back after its capture (the logits and picks buffers excepted), so they share
         them (they replay one at a time on `stream`) and hold about the largest step's live
         buffers, not the sum over lane counts (a recorded-buffers scheme held 17.4 GiB for
         16 lane counts at 27B and 32768 rows: bench/RESULTS.md, session 15)."""

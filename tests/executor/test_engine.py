@@ -351,9 +351,9 @@ def test_deferred_work_runs_in_the_loop_between_steps(renderer, monkeypatch):
         dispatched: list[int] = []
         inner = runtime._run_background
 
-        def counted():
+        def counted(*args):
             dispatched.append(1)
-            inner()
+            inner(*args)
 
         runtime._run_background = counted
         commits: list[int] = []
@@ -367,24 +367,80 @@ def test_deferred_work_runs_in_the_loop_between_steps(renderer, monkeypatch):
         ran: list[tuple[str, int, str, int]] = []
 
         def item(name):
-            return lambda: ran.append((name, len(dispatched), threading.current_thread().name, len(commits)))
+            return lambda: ran.append((name, len(dispatched), threading.current_thread().name, len(commits),
+                                       runtime._awaiting_first_token()))
 
         await runtime.start()
         try:
             runtime.defer(item("a"))
             runtime.defer(lambda: 1 / 0)
             runtime.defer(item("b"))
-            done = await _collect(runtime.submit(_job(renderer, max_tokens=4)))
+            job = attrs.evolve(_job(renderer, max_tokens=6), continuation=None)  # no render: one item a step
+            done = await _collect(runtime.submit(job))
         finally:
             await runtime.close()
-        return dispatched, ran, done
+        return dispatched, ran, done, len(commits)
 
-    dispatched, ran, done = asyncio.run(run())
-    assert done[1].completion_tokens == 4 and len(dispatched) >= 4  # the failing item stopped nothing
+    dispatched, ran, done, commits = asyncio.run(run())
+    assert done[1].completion_tokens == 6 and len(dispatched) == 3  # the failing item stopped nothing
     assert [name for name, *_ in ran] == ["a", "b"]
-    assert all(thread == threading.main_thread().name for _, _, thread, _ in ran)
-    assert [step for _, step, _, _ in ran] == [1, 3]  # "a" after the first step, the failing one the second, "b" the third
-    assert [c for *_, c in ran] == [1, 3]  # each after its step's commit, never while the step runs
+    assert all(thread == threading.main_thread().name for _, _, thread, _, _ in ran)
+    assert [step for _, step, _, _, _ in ran] == [1, 3]  # "a" in the first call, the failing one the second, "b" the third
+    (_, _, _, a, a_waiting), (_, _, _, b, b_waiting) = ran
+    assert b == a + 2 and 1 <= a and b + 2 < commits  # after consecutive commits, never while a step runs
+    assert not a_waiting and not b_waiting  # the request had its first token by then
+
+
+def test_deferred_work_waits_for_a_first_token_and_runs_before_a_render(renderer):
+    """Deferred work (the chat prewarm) does not run between the chunks of a request that
+    has yet to get its first token (the next step may be the one that makes it), and a
+    commit that renders a reply's continuation runs it first: a one-token reply, which
+    ends in its first step, renders after its prewarm."""
+
+    async def run(job):
+        runtime = Runtime(ReferenceBackend.from_dir(tiny_model_dir()), renderer.tokenizer, POLICY)
+        order: list[tuple[str, int]] = []
+        commits: list[int] = []
+        inner_commit = runtime._commit
+
+        def counted_commit(*args, **kwargs):
+            commits.append(1)
+            inner_commit(*args, **kwargs)
+
+        runtime._commit = counted_commit
+        inner_render = job.continuation
+
+        def render(text):
+            order.append(("render", len(commits)))
+            return inner_render(text)
+
+        delivered: list[int] = []
+        inner_deliver = runtime._deliver_tokens
+
+        def deliver(tokens):
+            delivered.extend(token for _, token, _ in tokens)
+            inner_deliver(tokens)
+
+        runtime._deliver_tokens = deliver
+        await runtime.start()
+        try:
+            runtime.defer(lambda: order.append(("prewarm", len(commits), len(delivered))))
+            done = await _collect(runtime.submit(attrs.evolve(job, continuation=render)))
+        finally:
+            await runtime.close()
+        return order, done
+
+    long_chat = ({"role": "user", "content": "Tell me about the weather in Paris, Lyon, Nice and Lille today. " * 3},)
+    job = _job(renderer, long_chat, max_tokens=2)
+    assert len(job.prompt_ids) > 2 * POLICY.max_chunk_rows  # three chunks or more before the first token
+    (prewarm, at, tokens), (render, rendered_at) = asyncio.run(run(job))[0]
+    assert (prewarm, render) == ("prewarm", "render")
+    assert at >= 3 and tokens == 1  # not after the first chunks: once the first token was out
+    assert rendered_at > at
+    order, done = asyncio.run(run(_job(renderer, max_tokens=1)))
+    assert done[1].completion_tokens == 1
+    (prewarm, at, tokens), (render, rendered_at) = order
+    assert (prewarm, render, tokens) == ("prewarm", "render", 1) and at == rendered_at  # one commit, prewarm first
 
 
 def test_a_reply_s_tokens_leave_before_its_continuation_renders(renderer):

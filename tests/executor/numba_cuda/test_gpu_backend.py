@@ -535,6 +535,7 @@ def test_prefill_logits_are_read_only_and_keeps_and_restores_share_them(models):
         assert kept.logits is state.logits
         restored = gpu.restore(kept)
         assert restored.logits is kept.logits
+        assert state.greedy == int(np.argmax(logits)) and restored.greedy is None  # restored: the host picks
         gpu.release(restored)
     finally:
         gpu.release(state)

@@ -91,6 +91,7 @@ def test_graph_chunks_without_logits_keep_the_state(backend):
     for state, graphs in ((a, False), (b, True)):
         with contextlib.nullcontext() if graphs else backend.eager_prefill():
             assert backend.prefill(state, ids, (0, 40), want_logits=False) is None
+            assert state.greedy is None  # no logits, no pick
             last[graphs] = backend.prefill(state, ids, (40, 100))
     assert np.array_equal(last[False], last[True])
     assert np.array_equal(backend.pool.pack(a.slot, 100).copy_to_host(), backend.pool.pack(b.slot, 100).copy_to_host())
