@@ -178,7 +178,7 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
             named.append(handle.id)
             handles[handle.id] = handle
             if isinstance(job.continuation, ChatContinuation):  # its history's blocks, while a step runs
-                runtime.defer(functools.partial(job.continuation.prewarm, job.prompt_ids))
+                runtime.defer(functools.partial(job.continuation.prewarm, job.prompt_ids), key=handle.id)
             send(("accepted", token, handle.id, handle.conversation, handle.prompt_tokens))
         elif kind == "cancel":
             handle = handles.get(message[1])

@@ -164,7 +164,7 @@ class Runtime:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.broken: str | None = None
-        self._background: collections.deque[tuple[Callable[[], None], int]] = collections.deque()
+        self._background: collections.deque[tuple[Callable[[], None], int, str | None]] = collections.deque()
         self._steps_run = 0
         self.after_commit: Callable[[], None] | None = None
         """Called in the loop thread after each step's commit has delivered its events and
@@ -214,19 +214,21 @@ class Runtime:
         self._releases.clear()
         self._pool.shutdown(wait=True)
 
-    def defer(self, work: Callable[[], None]) -> None:
+    def defer(self, work: Callable[[], None], key: str | None = None) -> None:
         """Run `work` in the loop thread between two steps, after a step's commit has sent its
         tokens and before the next step is planned, in order, at most BACKGROUND_BUDGET_S of
         such work a step (and at least one item), and only once no request awaits its first
         token (or the oldest item has waited BACKGROUND_MAX_WAIT_STEPS steps): the next
-        step may be the one that makes a first token. A commit that renders a reply's
-        continuation runs every item first (the engine's prewarm is what keeps that render
-        from tokenizing the whole history). Run as a step went to the worker (until session
-        21), the work held the GIL the worker needed to start that step: on the H200 the
-        off-grid warm turn's step started 0.45 ms after its request arrived, against 0.15 ms
-        without the chat prewarm. Keep each item short (the engine's chat prewarm pairs
-        blocks with ids and tokenizes nothing). An exception it raises is logged, not raised."""
-        self._background.append((work, self._steps_run))
+        step may be the one that makes a first token. key: the request id the work prepares
+        for (the engine's chat prewarm of that request's history); a commit that renders that
+        request's continuation runs its pending work first, so that the render does not
+        tokenize the whole history (a reply can end in its first step). Run as a step went
+        to the worker (until session 21), the work held the GIL the worker needed to start
+        that step: on the H200 the off-grid warm turn's step started 0.45 ms after its
+        request arrived, against 0.15 ms without the chat prewarm. Keep each item short (the
+        engine's chat prewarm pairs blocks with ids and tokenizes nothing). An exception it
+        raises is logged, not raised."""
+        self._background.append((work, self._steps_run, key))
 
     def submit(self, job: Job, sink: Callable[[Tokens | Done], None] | None = None) -> Handle:
         """Queue `job`; returns its Handle. Raises Rejected with the scheduler's reason.
@@ -348,18 +350,29 @@ class Runtime:
         """Whether some request (queued or admitted) has yet to get its first token."""
         return any(not live.tokens and live.job.max_tokens > 0 for live in self._lives.values())
 
-    def _run_background(self, everything: bool = False) -> None:
+    def _run_background(self) -> None:
         """Deferred work in order: at least one item, then items until BACKGROUND_BUDGET_S
-        seconds have passed (everything: every item)."""
+        seconds have passed."""
         t0 = time.perf_counter()
         while self._background:
-            work, _ = self._background.popleft()
-            try:
-                work()
-            except Exception as exc:  # noqa: BLE001 - background work never stops serving
-                log.warning("background_work_failed", error=repr(exc))
-            if not everything and time.perf_counter() - t0 >= BACKGROUND_BUDGET_S:
+            self._run_work(self._background.popleft()[0])
+            if time.perf_counter() - t0 >= BACKGROUND_BUDGET_S:
                 return
+
+    def _run_keyed(self, keys: set[str]) -> None:
+        """The pending deferred work of these request ids, now, in order; the rest stays queued."""
+        mine = [item for item in self._background if item[2] in keys]
+        if mine:
+            self._background = collections.deque(item for item in self._background if item[2] not in keys)
+            for work, _, _ in mine:
+                self._run_work(work)
+
+    @staticmethod
+    def _run_work(work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - background work never stops serving
+            log.warning("background_work_failed", error=repr(exc))
 
     async def _idle(self) -> None:
         timer = self.scheduler.next_timer_s()
@@ -412,7 +425,7 @@ class Runtime:
             out.published = len(out.tokens)
             if self.after_commit is not None:
                 self.after_commit()
-            self._run_background(everything=True)  # each render needs its prewarm (a reply can end in its first step)
+            self._run_keyed({live.handle.id for live in out.ended})  # each render after its prewarm
         for live in out.ended:
             Stepper.render_continuation(live)
             self._attach_continuation(live)

@@ -424,8 +424,10 @@ def test_deferred_work_waits_for_a_first_token_and_runs_before_a_render(renderer
         runtime._deliver_tokens = deliver
         await runtime.start()
         try:
-            runtime.defer(lambda: order.append(("prewarm", len(commits), len(delivered))))
-            done = await _collect(runtime.submit(attrs.evolve(job, continuation=render)))
+            handle = runtime.submit(attrs.evolve(job, continuation=render))
+            runtime.defer(lambda: order.append(("other", len(commits), len(delivered))), key="req-other")
+            runtime.defer(lambda: order.append(("prewarm", len(commits), len(delivered))), key=handle.id)
+            done = await _collect(handle)
         finally:
             await runtime.close()
         return order, done
@@ -433,14 +435,16 @@ def test_deferred_work_waits_for_a_first_token_and_runs_before_a_render(renderer
     long_chat = ({"role": "user", "content": "Tell me about the weather in Paris, Lyon, Nice and Lille today. " * 3},)
     job = _job(renderer, long_chat, max_tokens=2)
     assert len(job.prompt_ids) > 2 * POLICY.max_chunk_rows  # three chunks or more before the first token
-    (prewarm, at, tokens), (render, rendered_at) = asyncio.run(run(job))[0]
-    assert (prewarm, render) == ("prewarm", "render")
+    (other, at, tokens), (prewarm, at2, _), (render, rendered_at) = asyncio.run(run(job))[0]
+    assert (other, prewarm, render) == ("other", "prewarm", "render")
     assert at >= 3 and tokens == 1  # not after the first chunks: once the first token was out
-    assert rendered_at > at
+    assert at2 >= at and rendered_at > at2  # in order, then the render in a later commit
     order, done = asyncio.run(run(_job(renderer, max_tokens=1)))
     assert done[1].completion_tokens == 1
-    (prewarm, at, tokens), (render, rendered_at) = order
-    assert (prewarm, render, tokens) == ("prewarm", "render", 1) and at == rendered_at  # one commit, prewarm first
+    (prewarm, at, tokens), (render, rendered_at) = order[:2]
+    # one commit: the reply's own prewarm, then its render; the other request's work stays queued
+    assert (prewarm, render, tokens) == ("prewarm", "render", 1) and at == rendered_at
+    assert [name for name, *_ in order[2:]] == ["other"]
 
 
 def test_a_reply_s_tokens_leave_before_its_continuation_renders(renderer):
@@ -506,8 +510,8 @@ def test_the_engine_prewarms_each_chat_request_s_history(renderer):
         async def close(self):
             pass
 
-        def defer(self, work):
-            self.deferred.append(work)
+        def defer(self, work, key=None):
+            self.deferred.append((work, key))
 
         def submit(self, job, sink):
             self.jobs.append(job)
@@ -527,7 +531,8 @@ def test_the_engine_prewarms_each_chat_request_s_history(renderer):
 
     runtime = asyncio.run(run())
     assert len(runtime.jobs) == 2 and len(runtime.deferred) == 1
-    prewarm = runtime.deferred[0]
+    prewarm, key = runtime.deferred[0]
+    assert key == "req-1"  # keyed by its request: a render of that reply runs it first
     assert prewarm.func.__self__.renderer is renderer  # bound to the engine's renderer
     assert prewarm.args == (runtime.jobs[0].prompt_ids,)
 
