@@ -36,6 +36,15 @@ from typing import IO, Any
 
 import attrs
 import structlog
+
+try:  # the server extra: say so on the command line, not with a traceback
+    import aiohttp  # noqa: F401
+    import prometheus_client  # noqa: F401
+except ModuleNotFoundError as exc:
+    if __name__ == "__main__":
+        sys.exit(f"python -m executor.serve needs the server extra ({exc.name} is not installed): "
+                 "pip install -e '.[server]'")
+    raise
 from aiohttp import web
 
 from executor.backend import Backend

@@ -115,3 +115,17 @@ def test_the_cache_budget_is_lowered_to_what_the_gpu_reserved():
     assert lowered.prompt_cache_bytes == 40 * GIB and lowered.cache_enabled
     assert lowered.with_changes(prompt_cache_bytes=64 * GIB) == policy  # nothing else changed
     assert not cache_budget(policy, 0).cache_enabled
+
+
+def test_without_the_server_extra_the_cli_names_it():
+    """`python -m executor.serve` after a plain `pip install -e .` (no aiohttp) exits with a
+    one-line hint naming the extra, not a traceback (a fresh-user run, session 21)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, runpy; sys.modules['aiohttp'] = None; sys.argv = ['executor.serve', '--help']; "
+            "runpy.run_module('executor.serve', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "pip install -e '.[server]'" in done.stderr and "aiohttp is not installed" in done.stderr
+    assert "Traceback" not in done.stderr
