@@ -99,10 +99,11 @@ class Plan:
 class Outcome:
     """What a step produced: new states by stream, the snapshot a keep asked for, the
     tokens (request, token id, released text), lanes that stopped, requests whose reply
-    ended (the commit renders their continuation: `Stepper.render_continuation`), the error that stopped it, if any, and
-    `phases`: host seconds the step spent in each of PHASES (only those it ran; a backend
-    that queues work asynchronously is timed up to its return, so a phase that reads
-    results back, like a prefill that returns logits, also waits for the device)."""
+    ended (the commit renders their continuation: `Stepper.render_continuation`), the
+    error that stopped it, if any, and `phases`: host seconds the step spent in each of
+    PHASES (only those it ran; a backend that queues work asynchronously is timed up to its
+    return, so a phase that reads results back, like a prefill that returns logits, also
+    waits for the device)."""
 
     states: dict[int, Any] = attrs.field(factory=dict)
     snapshot: payloads.Payload | None = None

@@ -371,8 +371,9 @@ class PrefillGraphs:
                                                            stream))
         finally:
             backend.release(state)
-        return _PrefillGraph(rows, inputs, logits, picks, host_inputs, cuda.pinned_array(tuple(logits.shape), np.float32),
-                             cuda.pinned_array(1, np.int32), graph, executable)
+        return _PrefillGraph(rows, inputs, logits, picks, host_inputs,
+                             cuda.pinned_array(tuple(logits.shape), np.float32), cuda.pinned_array(1, np.int32),
+                             graph, executable)
 
     def close(self) -> None:
         """Destroy the captured graphs and free their private pool."""

@@ -385,7 +385,8 @@ def test_deferred_work_runs_in_the_loop_between_steps(renderer, monkeypatch):
     assert done[1].completion_tokens == 6 and len(dispatched) == 3  # the failing item stopped nothing
     assert [name for name, *_ in ran] == ["a", "b"]
     assert all(thread == threading.main_thread().name for _, _, thread, _, _ in ran)
-    assert [step for _, step, _, _, _ in ran] == [1, 3]  # "a" in the first call, the failing one the second, "b" the third
+    # "a" in the first call, the failing one in the second, "b" in the third
+    assert [step for _, step, _, _, _ in ran] == [1, 3]
     (_, _, _, a, a_waiting), (_, _, _, b, b_waiting) = ran
     assert b == a + 2 and 1 <= a and b + 2 < commits  # after consecutive commits, never while a step runs
     assert not a_waiting and not b_waiting  # the request had its first token by then
