@@ -166,6 +166,9 @@ class Runtime:
         self.broken: str | None = None
         self._background: collections.deque[tuple[Callable[[], None], int, str | None]] = collections.deque()
         self._steps_run = 0
+        self.stepping = False
+        """True while a step runs in the worker (a busy-polling loop waits instead then:
+        `executor.polling`)."""
         self.after_commit: Callable[[], None] | None = None
         """Called in the loop thread after each step's commit has delivered its events and
         before the next step starts (the engine process sends the step's tokens here, so
@@ -332,7 +335,11 @@ class Runtime:
                 plan = self._plan(step)
                 t0 = self._clock()
                 running = loop.run_in_executor(self._pool, self._stepper.run, plan)
-                outcome = await running
+                self.stepping = True
+                try:
+                    outcome = await running
+                finally:
+                    self.stepping = False
                 self._commit(plan, outcome, self._clock() - t0)
                 self._steps_run += 1
                 if self._background and (not self._awaiting_first_token()

@@ -51,6 +51,7 @@ from executor.backend import Backend
 from executor.chat import ChatRenderer, builtin_template, load_template
 from executor.config import Qwen35Config, load_config
 from executor.engine import EngineClient, EngineFailed, EngineInfo, serve_engine
+from executor.polling import PollGate, polling_loop_factory
 from executor.model import tiny_model_dir
 from executor.presets import PRESET_NAMES, preset
 from executor.reference.backend import ReferenceBackend
@@ -86,6 +87,9 @@ class ServeConfig:
     delta rule and the fused attention, else eager). trace: JSONL trace file, or None. engine_process: run the
     scheduler and the backend in a process of their own (`executor.engine`), so HTTP work
     does not slow the steps down; False keeps them in this process (one GIL for both).
+    busy_poll: the server's event loops poll their sockets without waiting once it serves,
+    each costing a CPU core (the engine process's only while no step runs): a request's
+    hand-offs then find their process running (`executor.polling`).
 
     Raises ValueError naming the field: a bad value, --model with --random-weights, an
     unknown or MoE preset, or random weights on the reference backend.
@@ -104,6 +108,7 @@ class ServeConfig:
     gpu_context_rows: int = 32768
     trace: Path | None = None
     engine_process: bool = True
+    busy_poll: bool = False
     policy: PolicyConfig = attrs.field(factory=PolicyConfig)
 
     def __attrs_post_init__(self) -> None:
@@ -171,6 +176,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                     help="run the scheduler and the backend in their own process, apart from HTTP "
                          "(default: %(default)s)")
+    ap.add_argument("--busy-poll", action=argparse.BooleanOptionalAction, default=d.busy_poll,
+                    help="poll sockets without waiting once serving (a CPU core per process, the engine's only "
+                         "between steps): shorter hand-offs on machines whose idle CPUs wake slowly "
+                         "(default: %(default)s)")
     ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL (and each step's "
                     "seconds and phases to FILE.steps.jsonl)")
     ap.add_argument("--policy", type=Path, metavar="FILE.toml", help="PolicyConfig fields (flags override them)")
@@ -196,7 +205,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         policy = policy.with_changes(**changes)
     return ServeConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, backend=args.backend,
                        host=args.host, port=args.port, context_rows=args.context, decode_graphs=args.decode_graphs,
-                       prefill_graphs=args.prefill_graphs, trace=args.trace, engine_process=args.engine_process, policy=policy)
+                       prefill_graphs=args.prefill_graphs, trace=args.trace, engine_process=args.engine_process,
+                       busy_poll=args.busy_poll, policy=policy)
 
 
 def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qwen35Config,
@@ -400,10 +410,12 @@ def run_engine(conn: Any, cfg: ServeConfig) -> None:
         signal.signal(sig, signal.SIG_IGN)
     warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization")
     configure_logging()
-    asyncio.run(_engine(conn, cfg))
+    gate = PollGate() if cfg.busy_poll else None
+    with asyncio.Runner(loop_factory=polling_loop_factory(gate) if gate is not None else None) as runner:
+        runner.run(_engine(conn, cfg, gate))
 
 
-async def _engine(conn: Any, cfg: ServeConfig) -> None:
+async def _engine(conn: Any, cfg: ServeConfig, gate: PollGate | None = None) -> None:
     trace = steps = None
     try:
         model = _model(cfg)
@@ -418,13 +430,15 @@ async def _engine(conn: Any, cfg: ServeConfig) -> None:
         return
     info = EngineInfo(backend=backend_name, context_rows=context_rows, vocab_size=runtime.vocab_size,
                       facts=runtime.facts)
+    if gate is not None:
+        gate.runtime, gate.serving = runtime, True
     try:
         await serve_engine(conn, runtime, renderer, info)
     finally:
         _close_traces(trace, steps)
 
 
-async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
+async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout, gate: PollGate | None = None) -> None:
     """Load the model, serve until SIGINT/SIGTERM, stop cleanly (a signal while the engine
     process is still loading stops it too; a second signal kills a busy engine at once)."""
     stop, force = asyncio.Event(), asyncio.Event()
@@ -439,7 +453,7 @@ async def serve(cfg: ServeConfig, out: IO[str] = sys.stdout) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        await _serve(cfg, out, stop, force)
+        await _serve(cfg, out, stop, force, gate)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -474,7 +488,8 @@ async def _close(runtime: Runtime | EngineClient, force: asyncio.Event) -> None:
     await closing
 
 
-async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asyncio.Event) -> None:
+async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asyncio.Event,
+                 gate: PollGate | None = None) -> None:
     model = _model(cfg)
     trace = steps = None
     runtime: Runtime | EngineClient
@@ -515,7 +530,11 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asy
                  engine_process=cfg.engine_process)
         print(f"serving {model.model_id} on the {backend_name} backend at {url}/v1", file=out, flush=True)
         print(f"ready {url}", file=out, flush=True)
+        if gate is not None:  # poll from here on (`busy_poll`)
+            gate.runtime, gate.serving = (runtime if isinstance(runtime, Runtime) else None), True
         await stop.wait()
+        if gate is not None:
+            gate.serving = False
         log.info("stopping")
     finally:
         if site is not None:
@@ -535,8 +554,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging()
+    gate = PollGate() if cfg.busy_poll else None
     try:
-        asyncio.run(serve(cfg))
+        with asyncio.Runner(loop_factory=polling_loop_factory(gate) if gate is not None else None) as runner:
+            runner.run(serve(cfg, gate=gate))
     except EngineFailed as exc:  # the engine process could not load the model or the backend
         print(f"error: {exc}", file=sys.stderr)
         return 2 if exc.kind == "value" else 1

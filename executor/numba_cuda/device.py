@@ -267,6 +267,16 @@ class LeanArray:
             return LeanArray.wrap(self.to_numba().reshape(*shape))
         return LeanArray.c_contiguous(self.ptr, shape, self.dtype, self._owner)
 
+    def at(self, offset: int, shape: tuple, dtype) -> "LeanArray":
+        """A C-contiguous `shape` array of `dtype` starting `offset` bytes into this one (which
+        must be C-contiguous and hold it): one object, not a slice, view and reshape. Raises
+        ValueError when it does not fit or this array is not C-contiguous."""
+        dtype = np.dtype(dtype)
+        nbytes, held = math.prod(shape) * dtype.itemsize, self.size * self.dtype.itemsize
+        if not self.is_c_contiguous() or offset < 0 or offset + nbytes > held:
+            raise ValueError(f"{nbytes} bytes at offset {offset} do not fit a C-contiguous {held}-byte array")
+        return LeanArray.c_contiguous(self.ptr + offset, tuple(int(d) for d in shape), dtype, self._owner)
+
     def view(self, dtype) -> "LeanArray":
         """The same memory as another dtype; the last axis (contiguous) rescales."""
         dtype = np.dtype(dtype)

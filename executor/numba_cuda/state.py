@@ -10,10 +10,10 @@ device memory is what the store counts (DESIGN rule 3: K/V rows shared with a ke
 are not held twice). A ghost payload (`NumbaCudaBackend.ghost`) drops the fixed part and keeps
 its segments for the longer states built on it.
 
-Each part is one strided copy launch (the fixed part 2, each segment 1 for its K and V), not
+Each part is one strided copy launch (the fixed part 1, each segment 1 for its K and V), not
 one copy per layer and part (128 at 27B, each tens of microseconds of host time: a keep after
 every chunk made the server's short chunks ~2x slower than the same chunk alone;
-bench/RESULTS.md, session 3). A restore launches 2 + one per segment.
+bench/RESULTS.md, session 3). A restore launches 1 + one per segment.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from numba import cuda
 
 from executor.config import Qwen35Config
 from executor.numba_cuda.attention_mm import padded
-from executor.numba_cuda.device import THREADS, blocks, empty, lasting, using_pool, zeros
+from executor.numba_cuda.device import THREADS, LeanArray, blocks, empty, lasting, using_pool, zeros
 from executor.numba_cuda.launch import fast
 
 
@@ -122,28 +122,32 @@ def _grid(array) -> tuple[int, int]:
 @fast
 @cuda.jit
 def _copy_pair_kernel(src_a, dst_a, src_b, dst_b):
-    # dst_a[i, j] = src_a[i, j] for blockIdx.z == 0, else dst_b[i, j] = src_b[i, j]
+    # dst_a[i, j] = src_a[i, j] for blockIdx.z == 0, else dst_b[i, j] = src_b[i, j]; the pairs
+    # may differ in shape and dtype (rows past a pair's own are skipped)
     i = cuda.blockIdx.y
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     step = cuda.gridDim.x * cuda.blockDim.x
     if cuda.blockIdx.z == 0:
-        while j < src_a.shape[1]:
-            dst_a[i, j] = src_a[i, j]
-            j += step
-    else:
+        if i < src_a.shape[0]:
+            while j < src_a.shape[1]:
+                dst_a[i, j] = src_a[i, j]
+                j += step
+    elif i < src_b.shape[0]:
         while j < src_b.shape[1]:
             dst_b[i, j] = src_b[i, j]
             j += step
 
 
 def _copy_pair(src_a, dst_a, src_b, dst_b) -> None:
-    """copy_rows(src_a, dst_a) and copy_rows(src_b, dst_b) in one launch (same shapes and dtype)."""
-    shapes = {tuple(x.shape) for x in (src_a, dst_a, src_b, dst_b)}
-    if len(shapes) != 1 or len({x.dtype for x in (src_a, dst_a, src_b, dst_b)}) != 1:
-        raise ValueError(f"pair copy of mismatched arrays {sorted(shapes)}")
-    if src_a.size:
-        x, y = _grid(src_a)
-        _copy_pair_kernel[(x, y, 2), THREADS](src_a, dst_a, src_b, dst_b)
+    """copy_rows(src_a, dst_a) and copy_rows(src_b, dst_b) in one launch. Each pair is one
+    shape and one dtype; the two pairs may differ (the fixed part's f32 recurrent matrices
+    and bf16 conv tails go together). Raises ValueError for a mismatched pair."""
+    for src, dst in ((src_a, dst_a), (src_b, dst_b)):
+        if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            raise ValueError(f"pair copy of mismatched arrays {src.shape} {src.dtype} and {dst.shape} {dst.dtype}")
+    if src_a.size or src_b.size:
+        x = max(_grid(src_a)[0], _grid(src_b)[0])
+        _copy_pair_kernel[(x, max(src_a.shape[0], src_b.shape[0]), 2), THREADS](src_a, dst_a, src_b, dst_b)
 
 
 def copy_rows(src, dst) -> None:
@@ -191,6 +195,7 @@ class StatePool:
         self._row_elems = row_elems
         self._keys3 = self.keys.reshape(full, slots, padded(capacity_rows) * row_elems)
         self._values3 = self.values.reshape(full, slots, padded(capacity_rows) * row_elems)
+        self._slot_fixed: dict[int, tuple] = {}  # slot -> its fixed part's pool views (`_fixed_views`)
 
     def take(self, zero: bool = True) -> int:
         """A free slot, with zero recurrent matrices and conv tails unless `zero` is False (a
@@ -230,19 +235,19 @@ class StatePool:
 
     def pack_fixed(self, slot: int):
         """A new device uint8 buffer [config.fixed_state_bytes]: the recurrent matrices then the
-        conv tails of `slot` (2 launches)."""
+        conv tails of `slot` (1 launch)."""
         data = self._payload_buffer((self.config.fixed_state_bytes,), np.uint8)
-        for part, view in self._fixed_views(data, slot):
-            copy_rows(part, view)
+        (rec, rec_view), (conv, conv_view) = self._fixed_views(data, slot)
+        _copy_pair(rec, rec_view, conv, conv_view)
         return data
 
     def unpack_fixed(self, data, slot: int) -> None:
-        """Write a fixed part (`pack_fixed`) into `slot` (2 launches). Raises ValueError on a
+        """Write a fixed part (`pack_fixed`) into `slot` (1 launch). Raises ValueError on a
         buffer of the wrong size."""
         if data.shape[0] != self.config.fixed_state_bytes:
             raise ValueError(f"a fixed part of {data.shape[0]} bytes for {self.config.fixed_state_bytes}")
-        for part, view in self._fixed_views(data, slot):
-            copy_rows(view, part)
+        (rec, rec_view), (conv, conv_view) = self._fixed_views(data, slot)
+        _copy_pair(rec_view, rec, conv_view, conv)
 
     def _payload_buffer(self, shape: tuple, dtype):
         if self.memory is None:
@@ -251,12 +256,28 @@ class StatePool:
             return empty(shape, dtype)
 
     def _fixed_views(self, data, slot: int):
-        offset = 0
-        for part, dtype in ((self._recurrent3[:, slot], np.float32), (self._conv3[:, slot], np.uint16)):
-            n = part.shape[0] * part.shape[1] * np.dtype(dtype).itemsize
-            if n:
-                yield part, data[offset : offset + n].view(dtype).reshape(part.shape)
+        """((pool recurrent [lin, m], payload view), (pool conv [lin, m'], payload view)) of a
+        fixed part `data` (uint8, C-contiguous) and `slot`. The pool's views are made once a
+        slot; a LeanArray payload's are built at their offsets directly (on the H200 host a
+        restore spent ~150 us making these views with slices, views and reshapes after an idle
+        spell, bench/RESULTS.md session 22)."""
+        parts = self._slot_fixed.get(slot)
+        if parts is None:
+            parts = self._slot_fixed[slot] = tuple(
+                (part, np.dtype(dtype)) for part, dtype in ((self._recurrent3[:, slot], np.float32),
+                                                             (self._conv3[:, slot], np.uint16)))
+        offset, out = 0, []
+        for part, dtype in parts:
+            n = part.shape[0] * part.shape[1] * dtype.itemsize
+            if not n:
+                view = part  # nothing to copy
+            elif isinstance(data, LeanArray) and data.is_c_contiguous():
+                view = data.at(offset, part.shape, dtype)
+            else:
+                view = data[offset : offset + n].view(dtype).reshape(part.shape)
+            out.append((part, view))
             offset += n
+        return out
 
     def _row_views(self, slot: int, start: int, end: int):
         a, b = start * self._row_elems, end * self._row_elems

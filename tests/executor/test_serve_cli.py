@@ -39,6 +39,8 @@ def test_flags_override_the_policy_file(tmp_path):
     assert config_from_args(parse_args(["--no-engine-process"])).engine_process is False
     assert config_from_args(parse_args([])).prefill_graphs is True
     assert config_from_args(parse_args(["--no-prefill-graphs"])).prefill_graphs is False
+    assert config_from_args(parse_args([])).busy_poll is False
+    assert config_from_args(parse_args(["--busy-poll"])).busy_poll is True
     path.write_text("snap_starts = false\n")
     assert config_from_args(parse_args(["--policy", str(path), "--snap-starts"])).policy.snap_starts is True
 
@@ -100,6 +102,22 @@ def test_in_process_server_serves_and_stops():
         assert reply.usage.completion_tokens == 3
         assert server.metric("warmstate_requests_total", outcome="length") == 1.0
         assert '"engine_process": false' in server.stderr_tail(100)
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("placement", [(), ("--no-engine-process",)])
+def test_a_busy_polling_server_serves_streams_and_stops(placement):
+    """--busy-poll (both placements): the event loops poll once serving; a streamed and a
+    whole reply, the same tokens as each other, and a clean stop on SIGTERM."""
+    server = ServerProcess("--busy-poll", *placement)
+    try:
+        client = server.client()
+        args = dict(model="tiny-qwen3_5-v1", max_tokens=4, seed=1, messages=[{"role": "user", "content": "hi"}])
+        whole = client.chat.completions.create(**args)
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        assert whole.usage.completion_tokens == 4
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     finally:
         assert server.stop() == 0
 

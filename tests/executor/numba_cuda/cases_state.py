@@ -142,3 +142,23 @@ def test_copy_rows_copies_strided_views_and_checks_shapes():
     np.testing.assert_array_equal(d_dst.copy_to_host(), src[:, 1])
     with pytest.raises(ValueError, match="copy of"):
         copy_rows(d_src[:, 1, :600], d_dst)
+
+
+def test_a_pair_copy_of_two_shapes_and_dtypes_writes_each_pair_and_nothing_else():
+    """`_copy_pair` with pairs of different rows, widths and dtypes (a fixed part's f32
+    recurrent matrices and bf16 conv tails go in one launch): each destination gets its
+    source, past-the-end destination bytes stay poisoned; a mismatched pair is named."""
+    from executor.numba_cuda.state import _copy_pair
+
+    r = rng()
+    a = r.standard_normal((4, 2, 1500)).astype(np.float32)
+    b = r.integers(0, 0x7F00, (7, 90)).astype(np.uint16)
+    dst_a, dst_b = np.full((4, 1600), -7.0, np.float32), np.full((7, 95), 0xFFFF, np.uint16)
+    d_a, d_b, d_dst_a, d_dst_b = to_device(a), to_device(b), to_device(dst_a), to_device(dst_b)
+    _copy_pair(d_a[:, 1], d_dst_a[:, :1500], d_b, d_dst_b[:, :90])
+    got_a, got_b = d_dst_a.copy_to_host(), d_dst_b.copy_to_host()
+    np.testing.assert_array_equal(got_a[:, :1500], a[:, 1])
+    np.testing.assert_array_equal(got_b[:, :90], b)
+    assert (got_a[:, 1500:] == -7.0).all() and (got_b[:, 90:] == 0xFFFF).all()
+    with pytest.raises(ValueError, match="mismatched"):
+        _copy_pair(d_a[:, 1], d_dst_a[:, :1500], d_b, d_dst_b[:, :91])

@@ -115,6 +115,24 @@ def test_reshape_and_view_equal_numpy_s(shape, new):
     _same(_lean(host)[1:].view(np.uint8), host[1:].view(np.uint8))
 
 
+@pytest.mark.parametrize("offset, shape, dtype", [(0, (3, 4), np.float32), (48, (2, 5), np.uint16), (68, (1,), np.uint32),
+                                                   (72, (0, 3), np.float32)])
+def test_at_equals_numpy_s_slice_view_reshape(offset, shape, dtype):
+    """`at(offset, shape, dtype)`: the bytes `data[offset:offset + n].view(dtype).reshape(shape)`
+    names (the state pool builds a restore's payload views with it)."""
+    host = np.zeros(72, np.uint8)
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    got = _lean(host).at(offset, shape, dtype)
+    want = host[offset : offset + n].view(dtype).reshape(shape)
+    assert got.ptr == host.__array_interface__["data"][0] + offset
+    assert (got.shape, got.strides, got.dtype, got.size) == (want.shape, want.strides, want.dtype, want.size)
+    assert got.launch_key == (np.dtype(dtype), len(shape), "C" if want.size else EMPTY_LAYOUT)
+    with pytest.raises(ValueError, match="do not fit"):
+        _lean(host).at(offset, (4, 5), np.float32)  # 80 bytes of 72
+    with pytest.raises(ValueError, match="do not fit"):
+        _lean(host.reshape(8, 9))[:, :4].at(0, (1,), np.uint8)  # not C-contiguous
+
+
 def test_cuda_array_interface_names_the_view():
     host = np.zeros((4, 6), np.float32)
     cai = _lean(host)[:, 2:5].__cuda_array_interface__
