@@ -435,6 +435,8 @@ async def _engine(conn: Any, cfg: ServeConfig, gate: PollGate | None = None) -> 
     try:
         await serve_engine(conn, runtime, renderer, info)
     finally:
+        if gate is not None:
+            gate.serving = False
         _close_traces(trace, steps)
 
 
@@ -527,16 +529,17 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asy
         log.info("ready", url=url, model=model.model_name, backend=backend_name, context_rows=context_rows,
                  policy=format_policy(cfg.policy).strip().replace("\n", "; "), invariant_rows=facts.invariant_rows,
                  start_grid=facts.invariant_rows if snapping(cfg.policy, facts) else 1,
-                 engine_process=cfg.engine_process)
+                 engine_process=cfg.engine_process, busy_poll=cfg.busy_poll)
         print(f"serving {model.model_id} on the {backend_name} backend at {url}/v1", file=out, flush=True)
         print(f"ready {url}", file=out, flush=True)
         if gate is not None:  # poll from here on (`busy_poll`)
-            gate.runtime, gate.serving = (runtime if isinstance(runtime, Runtime) else None), True
+            gate.runtime, gate.api = (runtime if isinstance(runtime, Runtime) else None), api
+            gate.serving = True
         await stop.wait()
-        if gate is not None:
-            gate.serving = False
         log.info("stopping")
     finally:
+        if gate is not None:
+            gate.serving = False
         if site is not None:
             await site.stop()
         await _close(runtime, force)

@@ -76,13 +76,18 @@ def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-async def _off_loop_if_large(request: web.Request, fn: Callable[[Any], Rendered], arg: Any) -> Rendered:
+async def _off_loop_if_large(api: "Api", request: web.Request, fn: Callable[[Any], Rendered], arg: Any) -> Rendered:
     """fn(arg) on the event loop when the request's body is at most INLINE_RENDER_BYTES bytes
-    long (by its Content-Length), else in a worker thread (`asyncio.to_thread`)."""
+    long (by its Content-Length), else in a worker thread (`asyncio.to_thread`), counted in
+    `api.off_loop` meanwhile (a busy-polling loop waits then: `executor.polling`)."""
     size = request.content_length
     if size is not None and size <= INLINE_RENDER_BYTES:
         return fn(arg)
-    return await asyncio.to_thread(fn, arg)
+    api.off_loop += 1
+    try:
+        return await asyncio.to_thread(fn, arg)
+    finally:
+        api.off_loop -= 1
 
 
 def _done_error(done: Done) -> ApiError:
@@ -99,6 +104,8 @@ class Api:
         self._prefix = secrets.token_hex(4)
         self._created = int(time.time())
         self._im_start = renderer.tokenizer.token_to_id(IM_START)
+        self.off_loop = 0
+        """Renders running in worker threads now (`_off_loop_if_large`)."""
 
     # --- helpers -----------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -184,7 +191,7 @@ class Api:
         """POST /v1/chat/completions."""
         call = parse_chat(await self._body(request))
         self._check_model(call.sampling)
-        rendered = await _off_loop_if_large(request, self._render_chat, call)
+        rendered = await _off_loop_if_large(self, request, self._render_chat, call)
         max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling.max_tokens, "messages")
         job = self._job(rendered, call.sampling, max_tokens, self._continuation(call))
         handle = await self._submit(job)
@@ -266,7 +273,7 @@ class Api:
         call = parse_completion(await self._body(request), self.runtime.vocab_size)
         self._check_model(call.sampling)
         if isinstance(call.prompt, str):
-            rendered = await _off_loop_if_large(request, self.renderer.encode, call.prompt)
+            rendered = await _off_loop_if_large(self, request, self.renderer.encode, call.prompt)
         else:
             ids = call.prompt
             rendered = Rendered("", ids, tuple(i for i, t in enumerate(ids) if t == self._im_start))

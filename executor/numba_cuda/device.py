@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import operator
 import os
 import threading
 
@@ -270,12 +271,19 @@ class LeanArray:
     def at(self, offset: int, shape: tuple, dtype) -> "LeanArray":
         """A C-contiguous `shape` array of `dtype` starting `offset` bytes into this one (which
         must be C-contiguous and hold it): one object, not a slice, view and reshape. Raises
-        ValueError when it does not fit or this array is not C-contiguous."""
+        ValueError when it does not fit, this array is not C-contiguous, a dimension is
+        negative or the offset is not a multiple of dtype's size; TypeError for a non-integer
+        dimension."""
         dtype = np.dtype(dtype)
-        nbytes, held = math.prod(shape) * dtype.itemsize, self.size * self.dtype.itemsize
+        dims = tuple(operator.index(d) for d in shape)  # TypeError for a float dimension
+        if any(d < 0 for d in dims):
+            raise ValueError(f"shape {dims} has a negative dimension")
+        if offset % dtype.itemsize:
+            raise ValueError(f"offset {offset} is not a multiple of {dtype}'s {dtype.itemsize} bytes")
+        nbytes, held = math.prod(dims) * dtype.itemsize, self.size * self.dtype.itemsize
         if not self.is_c_contiguous() or offset < 0 or offset + nbytes > held:
             raise ValueError(f"{nbytes} bytes at offset {offset} do not fit a C-contiguous {held}-byte array")
-        return LeanArray.c_contiguous(self.ptr + offset, tuple(int(d) for d in shape), dtype, self._owner)
+        return LeanArray.c_contiguous(self.ptr + offset, dims, dtype, self._owner)
 
     def view(self, dtype) -> "LeanArray":
         """The same memory as another dtype; the last axis (contiguous) rescales."""

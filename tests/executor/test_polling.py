@@ -14,6 +14,10 @@ class _Runtime:
     stepping = False
 
 
+class _Api:
+    off_loop = 0
+
+
 def test_polls_until_the_timeout_while_spin_is_true_and_waits_otherwise():
     spin = [True]
     sel = PollingSelector(lambda: spin[0])
@@ -68,6 +72,11 @@ def test_the_gate_opens_once_serving_and_closes_while_a_step_runs():
     gate.runtime.stepping = True
     assert not gate()
     gate.runtime.stepping = False
+    gate.api = _Api()
+    assert gate()
+    gate.api.off_loop = 1  # a large render in a worker thread needs the GIL
+    assert not gate()
+    gate.api.off_loop = 0
     gate.serving = False
     assert not gate()
 

@@ -118,6 +118,7 @@ def test_a_busy_polling_server_serves_streams_and_stops(placement):
         chunks = list(client.chat.completions.create(stream=True, **args))
         assert whole.usage.completion_tokens == 4
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+        assert '"busy_poll": true' in server.stderr_tail(100)
     finally:
         assert server.stop() == 0
 

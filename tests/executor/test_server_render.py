@@ -13,6 +13,10 @@ from executor.server import INLINE_RENDER_BYTES, _off_loop_if_large
 from executor.tokenizer import RELEASE_GIL_CHARS
 
 
+class _Api:
+    off_loop = 0
+
+
 class _Request:
     def __init__(self, content_length: int | None) -> None:
         self.content_length = content_length
@@ -24,14 +28,20 @@ class _Request:
     (None, False),  # chunked: no Content-Length, size unknown
 ])
 def test_small_bodies_render_on_the_loop_and_large_ones_in_a_thread(length, on_loop):
-    async def main() -> tuple[int, int]:
-        loop_thread = threading.get_ident()
-        ran = await _off_loop_if_large(_Request(length), lambda arg: (threading.get_ident(), arg), "x")
-        assert ran[1] == "x"
-        return loop_thread, ran[0]
+    api = _Api()
 
-    loop_thread, ran_in = asyncio.run(main())
+    def fn(arg):
+        return threading.get_ident(), arg, api.off_loop  # a busy-polling loop waits while this is 1
+
+    async def main() -> tuple[int, tuple]:
+        loop_thread = threading.get_ident()
+        ran = await _off_loop_if_large(api, _Request(length), fn, "x")
+        assert ran[1] == "x"
+        return loop_thread, ran
+
+    loop_thread, (ran_in, _, counted) = asyncio.run(main())
     assert (ran_in == loop_thread) is on_loop
+    assert counted == (0 if on_loop else 1) and api.off_loop == 0
 
 
 def test_inline_bodies_hold_no_text_the_tokenizer_would_encode_without_the_gil():

@@ -131,6 +131,14 @@ def test_at_equals_numpy_s_slice_view_reshape(offset, shape, dtype):
         _lean(host).at(offset, (4, 5), np.float32)  # 80 bytes of 72
     with pytest.raises(ValueError, match="do not fit"):
         _lean(host.reshape(8, 9))[:, :4].at(0, (1,), np.uint8)  # not C-contiguous
+    with pytest.raises(ValueError, match="negative"):
+        _lean(host).at(0, (-2, 4), np.float32)
+    with pytest.raises(ValueError, match="negative"):
+        _lean(host).at(0, (-1, -3), np.uint8)  # a positive product of negative dimensions
+    with pytest.raises(ValueError, match="not a multiple"):
+        _lean(host).at(2, (2,), np.float32)  # a misaligned pointer
+    with pytest.raises(TypeError):
+        _lean(host).at(0, (2.5, 2), np.uint8)
 
 
 def test_cuda_array_interface_names_the_view():
