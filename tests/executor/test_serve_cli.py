@@ -148,3 +148,44 @@ def test_without_the_server_extra_the_cli_names_it():
     assert done.returncode == 1
     assert "pip install -e '.[server]'" in done.stderr and "aiohttp is not installed" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_main_and_the_engine_run_their_loops_on_the_polling_selector_with_busy_poll(busy, monkeypatch):
+    """`main` and `run_engine` build their event loops from `polling_loop_factory` (a
+    PollingSelector gated by a PollGate) with --busy-poll, and asyncio's default loop without."""
+    import executor.serve as serve_mod
+    from executor.polling import PollGate, PollingSelector
+
+    seen = []
+
+    class Runner:
+        def __init__(self, loop_factory=None):
+            seen.append(loop_factory)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, coro):
+            coro.close()
+
+    monkeypatch.setattr(serve_mod.asyncio, "Runner", Runner)
+    monkeypatch.setattr(serve_mod, "configure_logging", lambda: None)
+    monkeypatch.setattr(serve_mod.signal, "signal", lambda *a: None)  # run_engine ignores SIGINT/SIGTERM
+    assert serve_mod.main(["--busy-poll"] if busy else []) == 0
+    serve_mod.run_engine(None, ServeConfig(busy_poll=busy))
+    assert len(seen) == 2
+    for factory in seen:
+        if not busy:
+            assert factory is None
+            continue
+        loop = factory()
+        try:
+            selector = loop._selector  # noqa: SLF001 - the factory's selector
+            assert isinstance(selector, PollingSelector) and isinstance(selector.spin, PollGate)
+            assert not selector.spin()  # closed until the server serves
+        finally:
+            loop.close()
