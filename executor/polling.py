@@ -61,7 +61,7 @@ class PollingSelector(selectors.DefaultSelector):
         """Polls without waiting so far (for tests)."""
 
     def select(self, timeout: float | None = None):
-        if timeout is not None and timeout <= 0 or not self.spin():
+        if (timeout is not None and timeout <= 0) or not self.spin():
             return super().select(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

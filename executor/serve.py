@@ -51,8 +51,8 @@ from executor.backend import Backend
 from executor.chat import ChatRenderer, builtin_template, load_template
 from executor.config import Qwen35Config, load_config
 from executor.engine import EngineClient, EngineFailed, EngineInfo, serve_engine
-from executor.polling import PollGate, polling_loop_factory
 from executor.model import tiny_model_dir
+from executor.polling import PollGate, polling_loop_factory
 from executor.presets import PRESET_NAMES, preset
 from executor.reference.backend import ReferenceBackend
 from executor.runtime import Runtime
@@ -410,9 +410,16 @@ def run_engine(conn: Any, cfg: ServeConfig) -> None:
         signal.signal(sig, signal.SIG_IGN)
     warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization")
     configure_logging()
-    gate = PollGate() if cfg.busy_poll else None
-    with asyncio.Runner(loop_factory=polling_loop_factory(gate) if gate is not None else None) as runner:
+    runner, gate = _runner(cfg)
+    with runner:
         runner.run(_engine(conn, cfg, gate))
+
+
+def _runner(cfg: ServeConfig) -> tuple[asyncio.Runner, PollGate | None]:
+    """The process's asyncio runner: on a `PollingSelector` behind a new, closed `PollGate`
+    with `busy_poll` (the caller opens it once serving), else asyncio's default loop."""
+    gate = PollGate() if cfg.busy_poll else None
+    return asyncio.Runner(loop_factory=None if gate is None else polling_loop_factory(gate)), gate
 
 
 async def _engine(conn: Any, cfg: ServeConfig, gate: PollGate | None = None) -> None:
@@ -557,9 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging()
-    gate = PollGate() if cfg.busy_poll else None
+    runner, gate = _runner(cfg)
     try:
-        with asyncio.Runner(loop_factory=polling_loop_factory(gate) if gate is not None else None) as runner:
+        with runner:
             runner.run(serve(cfg, gate=gate))
     except EngineFailed as exc:  # the engine process could not load the model or the backend
         print(f"error: {exc}", file=sys.stderr)
