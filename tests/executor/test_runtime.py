@@ -111,6 +111,8 @@ async def _collect(handle) -> tuple[list, Done]:
 
 
 def _run_api(model, script, test, cfg=CFG):
+    # imported here, not at the top: the GPU machine has no openai, and this file's cuda cases run there
+    openai = pytest.importorskip("openai")
     backend, tok, renderer = model
     trace = io.StringIO()
 
@@ -123,8 +125,6 @@ def _run_api(model, script, test, cfg=CFG):
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        import openai  # here, not at the top: the GPU machine has no openai, and this file's cuda cases run there
-
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1", api_key="x",
                                     max_retries=0)
         try:
