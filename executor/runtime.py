@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from executor import payloads
 from executor.backend import Backend
+from executor.chat import Rendered
 from executor.conversations import Continuation, Conversations
 from executor.metrics import Metrics
 from executor.sampling import new_rng
@@ -169,6 +170,10 @@ class Runtime:
         self.stepping = False
         """True while a step runs in the worker (a busy-polling loop waits instead then:
         `executor.polling`)."""
+        self.on_continuation: Callable[[Rendered], None] | None = None
+        """Called in the loop thread with each reply's rendered continuation, in the commit that
+        rendered it, after the step's tokens went out (the engine process sends it to the API
+        process, whose chat renderer learns its blocks: `EngineClient.learn`)."""
         self.after_commit: Callable[[], None] | None = None
         """Called in the loop thread after each step's commit has delivered its events and
         before the next step starts (the engine process sends the step's tokens here, so
@@ -436,6 +441,8 @@ class Runtime:
         for live in out.ended:
             Stepper.render_continuation(live)
             self._attach_continuation(live)
+            if self.on_continuation is not None and live.continuation is not None:
+                self.on_continuation(live.continuation)
         effects = self.scheduler.commit(step, self.now(), frozenset(out.stopped))
         self._deliver_tokens(out.tokens[out.published :])
         for live in failed:

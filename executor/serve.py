@@ -509,6 +509,7 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asy
             return
         runtime = engine
         renderer = ChatRenderer(tokenizer, model.template)
+        engine.learn = renderer.learn  # the engine's rendered continuations: their blocks
         backend_name, context_rows = engine.info.backend, engine.info.context_rows
         gc.collect()
         gc.freeze()

@@ -102,6 +102,36 @@ def test_engine_process_equals_in_process_runtime(renderer):
     assert 0 < remote[1][2] < prompt_rows  # the second turn resumed from a kept state
 
 
+def test_the_api_renderer_learns_each_reply_block_from_the_engine():
+    """A reply's continuation is rendered in the engine process; its text and ids cross back
+    ("learn"), so a renderer in the API process tokenizes only the next turn's new message
+    (one block missed: the user's), where one that was not taught also misses the reply's."""
+    cfg = ServeConfig(backend="reference", policy=POLICY)
+    model = tiny_model_dir()
+    taught, plain = (ChatRenderer(load_tokenizer(model), load_template(model)) for _ in range(2))
+
+    async def main():
+        client = await EngineClient.start(run_engine, (cfg,), timeout_s=120)
+        client.learn = taught.learn
+        try:
+            plain.render(list(MESSAGES), add_generation_prompt=True, enable_thinking=False)
+            first = await _collect(await client.enqueue(_job(taught)))
+            await asyncio.sleep(0.5)  # the "learn" follows the reply's last events
+            return (*MESSAGES, {"role": "assistant", "content": first[1].text}, {"role": "user", "content": "And tomorrow?"})
+        finally:
+            await client.close()
+
+    second = asyncio.run(main())
+    misses = []
+    for renderer in (taught, plain):
+        before = renderer._blocks.misses
+        rendered = renderer.render(list(second), add_generation_prompt=True, enable_thinking=False)
+        misses.append(renderer._blocks.misses - before)
+    assert misses == [1, 2]
+    assert taught.render(list(second), enable_thinking=False) == plain.render(list(second), enable_thinking=False)
+    assert rendered.token_ids == tuple(taught.tokenizer.encode(rendered.text, add_special_tokens=False).ids)
+
+
 def test_rejection_cancellation_metrics_and_close(renderer):
     cfg = ServeConfig(backend="reference", policy=POLICY.with_changes(lanes=1, queue_rows=1))
 
