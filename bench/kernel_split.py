@@ -13,6 +13,7 @@ the Python function; cuBLASLt's to their first 80 characters) with calls and sha
 Usage (GPU machine; torch with CUDA must be importable):
     python -m bench.kernel_split --preset qwen3.5-27b --prefill 51@1984,8192@0 --decode 1@4096
     [--out DIR] (writes kernel_split.json)
+    [--ncu] (each case once inside a profiler range, for Nsight Compute: bench/ncu_digest.py)
 Cases: prefill ROWS@CONTEXT (a chunk of ROWS rows after CONTEXT rows of random state),
 decode LANES@CONTEXT (one CUDA-graph round, as the server replays it).
 """
@@ -34,7 +35,8 @@ _PACKAGE_WORDS = ("cudapy", "executor", "numba_cuda")
 
 def kernel_label(name: str) -> str:
     """A short, stable label for a kernel's device name. CUPTI gives numba kernels
-    demangled (`executor::numba_cuda::norms::_add_rms_norm_kernel[abi:v14]...`) or, on
+    demangled (`executor::numba_cuda::norms::_add_rms_norm_kernel[abi:v14]...`; Nsight
+    Compute: `prepare_kernel::delta_prepare[v1,cw51...](long long, ...)`) or, on
     some drivers, mangled (`_ZN8executor10numba_cuda5norms...`): either is cut to the
     module and function (`norms._add_rms_norm_kernel`; a kernel made by a factory keeps
     the factory's name, `delta_chunked._subchunk_kernel.kernel`); any other name (cuBLASLt's
@@ -51,7 +53,7 @@ def kernel_label(name: str) -> str:
                 words.append(name[m.end() : m.end() + n])
             i = m.end() + n
     elif "::" in name:
-        words = re.sub(r"\[abi:[^\]]*\]", "", name).split("(")[0].split("::")
+        words = re.sub(r"\[[^\]]*\]", "", name).split("(")[0].split("::")
     else:
         return name[:80]
     words = [w for w in words if w and w not in _PACKAGE_WORDS and not w.startswith("_3c")]
@@ -94,9 +96,10 @@ def _cupti(fn) -> list[tuple[str, float, float]]:
     return out
 
 
-def prefill_case(backend, rows: int, context: int, seed: int, cprofile: int = 0) -> dict:
+def prefill_case(backend, rows: int, context: int, seed: int, cprofile: int = 0, collect=_cupti) -> dict:
     """Wall, host-launch and CUPTI split of a `rows`-row chunk after `context` rows (with
-    `cprofile`, also that many lines of a cProfile digest of one `prefill_step`, by own time)."""
+    `cprofile`, also that many lines of a cProfile digest of one `prefill_step`, by own time;
+    collect=_ncu_range: the chunk once for Nsight Compute instead of CUPTI)."""
     from bench.decode_prefill import _fresh_states
     from executor.numba_cuda.device import synchronize, to_device
 
@@ -125,7 +128,7 @@ def prefill_case(backend, rows: int, context: int, seed: int, cprofile: int = 0)
         backend.prefill_step(*args, context + rows - 1, slot=state.slot)
         hosts.append(time.perf_counter() - t0)
         synchronize()
-    split = split_events(_cupti(lambda: backend.prefill_step(*args, context + rows - 1, slot=state.slot)))
+    split = split_events(collect(lambda: backend.prefill_step(*args, context + rows - 1, slot=state.slot)))
     digest = None
     if cprofile:
         import cProfile
@@ -145,8 +148,9 @@ def prefill_case(backend, rows: int, context: int, seed: int, cprofile: int = 0)
             "host_ms": float(np.median(hosts)) * 1e3, **split, "cprofile": digest}
 
 
-def decode_case(backend, lanes: int, context: int, seed: int) -> dict:
-    """Wall and CUPTI split of one CUDA-graph decode round of `lanes` lanes at `context`."""
+def decode_case(backend, lanes: int, context: int, seed: int, collect=_cupti) -> dict:
+    """Wall and CUPTI split of one CUDA-graph decode round of `lanes` lanes at `context`
+    (collect=_ncu_range: the round once for Nsight Compute instead)."""
     from bench.decode_prefill import _fresh_states
     from executor.numba_cuda.graphs import DecodeGraphs
 
@@ -164,7 +168,7 @@ def decode_case(backend, lanes: int, context: int, seed: int) -> dict:
             walls.append(time.perf_counter() - t0)
         for s in states:
             s.rows = context
-        split = split_events(_cupti(lambda: graphs.decode(states, tokens)))
+        split = split_events(collect(lambda: graphs.decode(states, tokens)))
     finally:
         graphs.close()
         for s in states:
@@ -178,6 +182,22 @@ def _pairs(text: str) -> list[tuple[int, int]]:
         a, _, b = item.partition("@")
         out.append((int(a), int(b or 0)))
     return out
+
+
+def _ncu_range(fn) -> list[tuple[str, float, float]]:
+    """Run fn() once between `cuda.profile_start()` and `profile_stop()`, for Nsight Compute
+    started with `--profile-from-start off` (`bench.ncu_digest` reads its CSV); returns no
+    events: ncu collects the kernels."""
+    from numba import cuda
+
+    cuda.synchronize()
+    cuda.profile_start()
+    try:
+        fn()
+        cuda.synchronize()
+    finally:
+        cuda.profile_stop()
+    return []
 
 
 def table(results: list[dict], top: int) -> str:
@@ -206,6 +226,8 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, help="print this many lines of a cProfile digest of the "
                     "first prefill case's host work")
     ap.add_argument("--out", type=Path, default=None, help="folder for kernel_split.json")
+    ap.add_argument("--ncu", action="store_true", help="run each case once between cuda.profile_start() and "
+                    "profile_stop() for `ncu --profile-from-start off`, instead of CUPTI (bench.ncu_digest)")
     args = ap.parse_args()
     from executor.numba_cuda import device_weights
     from executor.numba_cuda.backend import NumbaCudaBackend
@@ -220,9 +242,14 @@ def main() -> None:
                                                    slots=lanes + 1, capacity_rows=capacity)
     for i, array in enumerate((backend.pool.keys, backend.pool.values)):
         device_weights.fill_uniform(array, args.seed + 90 + i, 2.0)
-    results = [prefill_case(backend, r, c, args.seed, args.cprofile if i == 0 else 0)
+    collect = _ncu_range if args.ncu else _cupti
+    results = [prefill_case(backend, r, c, args.seed, args.cprofile if i == 0 else 0, collect)
                for i, (r, c) in enumerate(prefill)]
-    results += [decode_case(backend, n, c, args.seed) for n, c in decode]
+    results += [decode_case(backend, n, c, args.seed, collect) for n, c in decode]
+    if args.ncu:
+        print(f"{args.preset} on {device_name()}: {', '.join(r['case'] for r in results)} ran once each in the "
+              "profiler range; digest ncu's CSV with python -m bench.ncu_digest", flush=True)
+        return
     text = table(results, args.top)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
