@@ -17,7 +17,7 @@ exchange pickled tuples over one `multiprocessing` pipe:
                    ("accepted", token, request id, conversation, prompt rows)  ("rejected", token, reason)
                    ("events", [(request id, token ids, text) | (request id, Done), ...], status)
                    ("metrics", token, bytes, status)  ("status", token, status)  ("closed",)
-                   ("learn", text, token ids)
+                   ("learn", text, token ids)   (a reply's block: see below)
 
 where status is a `Status`'s fields. Messages leave as plain pickles (`_post`); a request's
 and its first token's are on the path to the client, so events and the status travel as
@@ -32,9 +32,13 @@ chunk's keep, a decode round: `Stepper.publish`): it leaves at once, in a messag
 interface `executor.server.Api` uses (`enqueue`, `cancel`, `render_metrics`,
 `count_invalid`, `vocab_size`, `lanes_busy`, `waiting`, `broken`, `close`), so the API
 code is the same for both placements. A reply's continuation is rendered in the engine
-(`Runtime.on_continuation`); its text and ids cross back in a "learn" message after the
-commit's events, so that the API process's renderer knows the reply's block when the next
-turn arrives (`EngineClient.learn`) and tokenizes only that turn's new messages. The engine exits when the API process closes the
+(`Runtime.on_continuation`); the text and ids of its last block (the reply's: the API process
+rendered the rest itself) cross back in a "learn" message after the commit's events, so that
+the API process's renderer knows the reply's block when the next turn arrives
+(`EngineClient.learn`) and tokenizes only that turn's new messages. The block alone, and at
+most LEARN_FLUSH_BYTES of learns a commit (`reply_block`): the pipe's sends block, and an
+engine that filled the pipe while the API process was itself blocked sending a large submit
+would hang both (a fresh review deadlocked them with whole 5,000-row continuations). The engine exits when the API process closes the
 pipe or goes away (it ignores SIGINT and SIGTERM: the API process stops it).
 """
 
@@ -53,12 +57,31 @@ from typing import Any
 import attrs
 import structlog
 
+from executor.chat import IM_START
 from executor.replies import ChatContinuation
 from executor.runtime import Done, Handle, Rejected, Runtime, Tokens
 from executor.stepper import Job
 from policy.usable import BackendFacts
 
 log = structlog.get_logger(__name__)
+
+
+LEARN_FLUSH_BYTES = 64 << 10
+"""The most text and id bytes of "learn" messages one commit sends; a reply block past what is
+left is not sent (the next turn then tokenizes it: speed, never ids)."""
+
+
+def reply_block(rendered: Any, budget: int) -> tuple[str, array] | None:
+    """The text and token ids (array of uint32) of a rendered continuation's last block, from
+    its last `<|im_start|>` (the reply's block), or None when it has no such block or the two
+    take more than `budget` bytes (characters + 4 an id). rendered: `executor.chat.Rendered`."""
+    at = rendered.text.rfind(IM_START)
+    if at < 0 or not rendered.starts:
+        return None
+    text, ids = rendered.text[at:], rendered.token_ids[rendered.starts[-1]:]
+    if len(text) + 4 * len(ids) > budget:
+        return None
+    return text, array("I", ids)
 
 
 @attrs.frozen
@@ -131,7 +154,8 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
     continuations of incoming jobs. Call from the loop the runtime will run on."""
     loop = asyncio.get_running_loop()
     outbox: list[tuple] = []  # _pack'ed events
-    learned: list[tuple] = []  # ("learn", text, ids) of continuations rendered in this commit
+    learned: list[tuple] = []  # ("learn", text, ids) of reply blocks rendered in this commit
+    learn_left = LEARN_FLUSH_BYTES
     handles: dict[str, Handle] = {}
     stop = asyncio.Event()
     flush_pending = False
@@ -151,7 +175,7 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
             stop.set()
 
     def flush() -> None:
-        nonlocal flush_pending
+        nonlocal flush_pending, learn_left
         flush_pending = False
         if outbox:
             batch = outbox[:]
@@ -159,6 +183,7 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
             send(("events", batch, status()))
         while learned:  # after the events: off the tokens' path
             send(learned.pop(0))
+        learn_left = LEARN_FLUSH_BYTES
 
     def put(rid: str, event: Tokens | Done) -> None:
         nonlocal flush_pending
@@ -170,7 +195,14 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
             loop.call_soon(flush)
 
     runtime.after_commit = flush  # a step's tokens leave before the next step starts
-    runtime.on_continuation = lambda rendered: learned.append(("learn", rendered.text, array("I", rendered.token_ids)))
+    def learn(rendered: Any) -> None:
+        nonlocal learn_left
+        block = reply_block(rendered, learn_left)
+        if block is not None:
+            learn_left -= len(block[0]) + 4 * len(block[1])
+            learned.append(("learn", *block))
+
+    runtime.on_continuation = learn
 
     def on_message(message: tuple) -> None:
         kind = message[0]
@@ -245,9 +277,9 @@ class EngineClient:
         self._closed = asyncio.Event()
         self._closing = False
         self.learn: Callable[[str, Sequence[int]], None] | None = None
-        """Called with the text and token ids of each reply's continuation the engine rendered
-        (the API process's `ChatRenderer.learn`: the next turn then tokenizes only its new
-        messages). On the H200 the API process rendered the 27B off-grid turn 2 in 0.61 ms
+        """Called with the text and token ids of each reply's block, from the continuation the
+        engine rendered (the API process's `ChatRenderer.learn`: the next turn then tokenizes only
+        its new messages). On the H200 the API process rendered the 27B off-grid turn 2 in 0.61 ms
         without it, against 0.18 ms where one renderer saw both (bench/RESULTS.md, session 23)."""
         loop = asyncio.get_running_loop()
         loop.add_reader(conn.fileno(), self._readable)

@@ -22,7 +22,7 @@ from aiohttp.test_utils import make_mocked_request
 from executor.api_schema import ApiError
 from executor.chat import ChatRenderer, load_template
 from executor.config import load_config
-from executor.engine import EngineClient, EngineFailed, _pack, _post, _unpack, _wire
+from executor.engine import EngineClient, EngineFailed, _pack, _post, _unpack, _wire, reply_block
 from executor.model import tiny_model_dir
 from executor.numba_cuda.device import is_gpu_available
 from executor.reference.backend import ReferenceBackend
@@ -128,8 +128,64 @@ def test_the_api_renderer_learns_each_reply_block_from_the_engine():
         rendered = renderer.render(list(second), add_generation_prompt=True, enable_thinking=False)
         misses.append(renderer._blocks.misses - before)
     assert misses == [1, 2]
-    assert taught.render(list(second), enable_thinking=False) == plain.render(list(second), enable_thinking=False)
-    assert rendered.token_ids == tuple(taught.tokenizer.encode(rendered.text, add_special_tokens=False).ids)
+    learned = taught.render(list(second), enable_thinking=False)
+    assert learned == plain.render(list(second), enable_thinking=False)
+    assert learned.token_ids == tuple(taught.tokenizer.encode(learned.text, add_special_tokens=False).ids)
+
+
+def test_reply_block_is_the_continuation_s_last_block_within_a_budget(renderer):
+    history = [*MESSAGES, {"role": "assistant", "content": "Sunny, 21 degrees."}]
+    rendered = renderer.render_continuation(history[:-1], history[-1])
+    text, ids = reply_block(rendered, 1 << 16)
+    assert text.startswith("<|im_start|>assistant\n") and "Sunny, 21 degrees." in text
+    assert rendered.text.endswith(text) and len(text) < len(rendered.text) / 2
+    assert tuple(ids) == tuple(renderer.tokenizer.encode(text, add_special_tokens=False).ids)
+    assert tuple(ids) == rendered.token_ids[len(rendered.token_ids) - len(ids) :]
+    assert reply_block(rendered, len(text) + 4 * len(ids)) is not None
+    assert reply_block(rendered, len(text) + 4 * len(ids) - 1) is None  # past the budget: not sent
+    assert reply_block(attrs.evolve(rendered, text="no marker", starts=()), 1 << 16) is None
+
+
+def _learn_storm(rounds: int = 5, concurrent: int = 8) -> None:
+    """Concurrent 5,000-row chats through an engine process, each reply's learn crossing back
+    while large submits cross forward (run in a subprocess by the test below: a hang is its
+    failure). Sending each whole continuation back deadlocked both processes in round 0."""
+    import random
+
+    model = tiny_model_dir()
+    renderer = ChatRenderer(load_tokenizer(model), load_template(model))
+    rng = random.Random(0)
+    words = "the of and weather Paris sunny rain tomorrow forecast temperature degrees".split()
+    messages = [{"role": "system", "content": "You are helpful."}]
+    for _ in range(10):
+        messages.append({"role": "user", "content": " ".join(rng.choices(words, k=200))})
+        messages.append({"role": "assistant", "content": " ".join(rng.choices(words, k=300))})
+    messages.append({"role": "user", "content": "last?"})
+    policy = PolicyConfig(warm_quiet_ms=0.0, prompt_cache_bytes=4 << 30)
+
+    async def main():
+        client = await EngineClient.start(run_engine, (ServeConfig(backend="reference", policy=policy,
+                                                                   context_rows=None),), timeout_s=120)
+        learns = []
+        client.learn = lambda text, ids: learns.append(len(ids))
+        async def one(seed: int) -> None:
+            await _collect(await client.enqueue(_job(renderer, messages, 2, seed)))
+
+        try:
+            for r in range(rounds):
+                await asyncio.gather(*(one(100 * r + k) for k in range(concurrent)))
+            assert learns, "no reply block came back"
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+    print("storm done")
+
+
+def test_learns_and_large_submits_do_not_deadlock_the_two_processes():
+    code = "from tests.executor.test_engine import _learn_storm; _learn_storm()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "storm done" in done.stdout, done.stderr[-2000:]
 
 
 def test_rejection_cancellation_metrics_and_close(renderer):
