@@ -96,12 +96,10 @@ def summary(kernel: dict) -> dict:
             "spills": get("Local Memory Spilling Requests"), "dram": get("DRAM Throughput"), "pipe": pipe}
 
 
-def _cell(value, digits: int = 1) -> str:
+def _cell(value: float | None, digits: int = 1) -> str:
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if value.is_integer() and digits == 0 else f"{value:,.{digits}f}"
-    return str(value)
+    return f"{value:,.{digits}f}"
 
 
 def table(kernels: list[dict], pattern: str | None = None, rules: bool = False) -> str:

@@ -38,8 +38,9 @@ the API process's renderer knows the reply's block when the next turn arrives
 (`EngineClient.learn`) and tokenizes only that turn's new messages. The block alone, and at
 most LEARN_FLUSH_BYTES of learns a commit (`reply_block`): the pipe's sends block, and an
 engine that filled the pipe while the API process was itself blocked sending a large submit
-would hang both (a fresh review deadlocked them with whole 5,000-row continuations). The engine exits when the API process closes the
-pipe or goes away (it ignores SIGINT and SIGTERM: the API process stops it).
+would hang both (a fresh review deadlocked them with whole 5,000-row continuations). The
+engine exits when the API process closes the pipe or goes away (it ignores SIGINT and
+SIGTERM: the API process stops it).
 """
 
 from __future__ import annotations
@@ -154,8 +155,7 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
     continuations of incoming jobs. Call from the loop the runtime will run on."""
     loop = asyncio.get_running_loop()
     outbox: list[tuple] = []  # _pack'ed events
-    learned: list[tuple] = []  # ("learn", text, ids) of reply blocks rendered in this commit
-    learn_left = LEARN_FLUSH_BYTES
+    learned: list[tuple[str, array]] = []  # (text, ids) of the reply blocks rendered in this commit
     handles: dict[str, Handle] = {}
     stop = asyncio.Event()
     flush_pending = False
@@ -175,15 +175,18 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
             stop.set()
 
     def flush() -> None:
-        nonlocal flush_pending, learn_left
+        nonlocal flush_pending
         flush_pending = False
         if outbox:
             batch = outbox[:]
             outbox.clear()
             send(("events", batch, status()))
-        while learned:  # after the events: off the tokens' path
-            send(learned.pop(0))
-        learn_left = LEARN_FLUSH_BYTES
+        left = LEARN_FLUSH_BYTES
+        for text, ids in learned:  # after the events: off the tokens' path; past the budget, dropped
+            left -= len(text) + 4 * len(ids)
+            if left >= 0:
+                send(("learn", text, ids))
+        learned.clear()
 
     def put(rid: str, event: Tokens | Done) -> None:
         nonlocal flush_pending
@@ -195,12 +198,11 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
             loop.call_soon(flush)
 
     runtime.after_commit = flush  # a step's tokens leave before the next step starts
+
     def learn(rendered: Any) -> None:
-        nonlocal learn_left
-        block = reply_block(rendered, learn_left)
+        block = reply_block(rendered, LEARN_FLUSH_BYTES)
         if block is not None:
-            learn_left -= len(block[0]) + 4 * len(block[1])
-            learned.append(("learn", *block))
+            learned.append(block)
 
     runtime.on_continuation = learn
 

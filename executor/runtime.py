@@ -172,8 +172,8 @@ class Runtime:
         `executor.polling`)."""
         self.on_continuation: Callable[[Rendered], None] | None = None
         """Called in the loop thread with each reply's rendered continuation, in the commit that
-        rendered it, after the step's tokens went out (the engine process sends it to the API
-        process, whose chat renderer learns its blocks: `EngineClient.learn`)."""
+        rendered it, after the step's tokens went out (the engine process sends its reply block
+        to the API process, whose chat renderer learns it: `EngineClient.learn`)."""
         self.after_commit: Callable[[], None] | None = None
         """Called in the loop thread after each step's commit has delivered its events and
         before the next step starts (the engine process sends the step's tokens here, so
