@@ -266,8 +266,17 @@ class Runtime:
 
     async def enqueue(self, job: Job) -> Handle:
         """`submit`, awaitable: the interface `executor.server.Api` uses, which
-        `executor.engine.EngineClient` also offers for a runtime in another process."""
-        return self.submit(job)
+        `executor.engine.EngineClient` also offers for a runtime in another process.
+
+        Yields to the loop once before it returns, so an idle driver (woken by the submit, one
+        hop away: `_idle`) plans the step and hands it to the worker before the caller goes
+        on to write its response headers and first chunk. On the H200 machine (27B, one
+        process) the off-grid continuation's chunk then started 0.12 ms after its arrival
+        instead of 0.31; the handler's writes now overlap the step's restore, which they slow
+        by ~0.1 ms through the GIL (bench/RESULTS.md, session 24)."""
+        handle = self.submit(job)
+        await asyncio.sleep(0)
+        return handle
 
     def cancel(self, handle: Handle) -> None:
         """The client went away: free its lane within one chunk (kept states stay)."""
@@ -309,6 +318,15 @@ class Runtime:
         return len(self._lives) - len(self._by_stream)
 
     # --- trace events ----------------------------------------------------------------------
+    def _flush_traces(self) -> None:
+        """Write out the trace and step files' buffered lines: after each step's commit and
+        before the driver idles, never between a request's arrival and its first token (a
+        line-buffered trace made a write system call per event there: bench/RESULTS.md,
+        session 24), so a reader of an idle server's files sees every event."""
+        for f in (self._trace, self._steps):
+            if f is not None:
+                f.flush()
+
     def _emit(self, e: ev.Event) -> None:
         if self._trace is not None:
             self._trace.write(json.dumps(ev.event_dict(e), separators=(",", ":")) + "\n")
@@ -335,6 +353,7 @@ class Runtime:
                 self._apply(self.scheduler.take_effects())
                 self._gauges()
                 if step is None:
+                    self._flush_traces()
                     await self._idle()
                     continue
                 plan = self._plan(step)
@@ -346,6 +365,7 @@ class Runtime:
                 finally:
                     self.stepping = False
                 self._commit(plan, outcome, self._clock() - t0)
+                self._flush_traces()
                 self._steps_run += 1
                 if self._background and (not self._awaiting_first_token()
                                          or self._steps_run - self._background[0][1] >= BACKGROUND_MAX_WAIT_STEPS):
@@ -390,7 +410,8 @@ class Runtime:
         timer = self.scheduler.next_timer_s()
         timeout = None if timer is None else max(0.001, timer - self.now())
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            async with asyncio.timeout(timeout):  # in this task: a wake resumes the driver in one hop,
+                await self._wake.wait()           # where wait_for's inner task (Python 3.11) took three
         except TimeoutError:
             pass
 

@@ -374,7 +374,8 @@ def _open_traces(cfg: ServeConfig) -> tuple[IO[str], IO[str]] | tuple[None, None
     if not cfg.trace:
         return None, None
     steps = cfg.trace.with_name(cfg.trace.name + ".steps.jsonl")
-    return cfg.trace.open("w", encoding="utf-8", buffering=1), steps.open("w", encoding="utf-8", buffering=1)
+    # block-buffered: the runtime flushes both after each step and before it idles (Runtime._flush_traces)
+    return cfg.trace.open("w", encoding="utf-8"), steps.open("w", encoding="utf-8")
 
 
 def _close_traces(*files: IO[str] | None) -> None:

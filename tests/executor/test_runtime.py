@@ -661,3 +661,52 @@ def test_greedy_lanes_take_the_state_s_pick_sampled_lanes_do_not(model):
     assert greedy.token_ids == tuple((t + 1) % backend.config.vocab_size for t in script)
     sampled = asyncio.run(run(SamplingParams(temperature=1e-3)))  # near-greedy sampling: the scripted tokens
     assert sampled.token_ids == tuple(script)
+
+
+def test_enqueue_returns_with_an_idle_runtime_s_step_already_started(model):
+    """`Runtime.enqueue` yields once so that an idle driver plans the request and hands its
+    step to the worker before the API handler goes on to write its response headers (the
+    HTTP work sat in front of the first step, bench/RESULTS.md session 24). Before the change
+    the driver was three loop hops away on Python 3.11 (wait_for's inner task) and still idle
+    when enqueue returned."""
+    _, tok, _ = model
+
+    async def jobs(runtime, trace):
+        await asyncio.sleep(0.05)  # the driver is idle, waiting for work
+        started = []
+        for _ in range(3):
+            handle = await runtime.enqueue(_job(tok, max_tokens=2))
+            started.append(runtime.stepping)
+            await _collect(handle)
+            await asyncio.sleep(0.02)  # idle again
+        return started
+
+    started, _ = _run_jobs(model, _ids(tok, "ok"), jobs)
+    assert started == [True, True, True]
+
+
+def test_block_buffered_trace_files_hold_every_event_once_the_runtime_idles(model, tmp_path):
+    """The server opens its trace and steps files block-buffered (no write system call per
+    event between a request's arrival and its first token); the runtime flushes them after
+    each step and before it idles, so a reader sees a finished request's events while the
+    server runs on."""
+    backend, tok, _ = model
+    trace_path, steps_path = tmp_path / "t.jsonl", tmp_path / "t.jsonl.steps.jsonl"
+
+    async def main():
+        with trace_path.open("w", encoding="utf-8") as trace, steps_path.open("w", encoding="utf-8") as steps:
+            runtime = Runtime(Scripted(backend, _ids(tok, "one two three four five")), tok, CFG, trace=trace,
+                              steps=steps)
+            await runtime.start()
+            try:
+                _, done = await _collect(await runtime.enqueue(_job(tok, max_tokens=3)))
+                await asyncio.sleep(0.05)  # the driver flushes before it idles
+                return done, trace_path.read_text(), steps_path.read_text()
+            finally:
+                await runtime.close()
+
+    done, trace_text, steps_text = asyncio.run(main())
+    kinds = [json.loads(line)["kind"] for line in trace_text.splitlines()]
+    assert (done.reason, done.completion_tokens) == ("length", 3)
+    assert kinds[0] == "request_arrived" and "request_finished" in kinds
+    assert len(steps_text.splitlines()) >= 3  # a prefill step and two decode rounds
