@@ -130,7 +130,10 @@ class Runtime:
     text file for one JSON line per step (its seconds in the worker and per phase: where the
     server's time goes beside the simulator's cost model; bench/fidelity.py reads it), or None.
     clock: seconds,
-    monotonic; trace times are seconds since the runtime was built.
+    monotonic; trace times are seconds since the runtime was built. keep_warm: None, or an
+    object whose `start()` the driver calls as it goes idle and whose `stop()` it calls before
+    it hands a step to the worker (`executor.numba_cuda.keep_warm.KeepWarm`: a one-thread
+    kernel that keeps the GPU from idling; `close()` at shutdown).
     """
 
     def __init__(
@@ -144,8 +147,10 @@ class Runtime:
         trace: IO[str] | None = None,
         steps: IO[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        keep_warm: Any = None,
     ) -> None:
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
+        self._keep_warm = keep_warm
         self.metrics = metrics or Metrics()
         self.facts = facts or BackendFacts(getattr(backend, "invariant_rows", None))
         self._trace, self._steps, self._clock = trace, steps, clock
@@ -221,6 +226,8 @@ class Runtime:
         self._states.clear()
         self._releases.clear()
         self._pool.shutdown(wait=True)
+        if self._keep_warm is not None:
+            self._keep_warm.close()
 
     def defer(self, work: Callable[[], None], key: str | None = None) -> None:
         """Run `work` in the loop thread between two steps, after a step's commit has sent its
@@ -317,6 +324,20 @@ class Runtime:
         """Requests submitted but not yet admitted."""
         return len(self._lives) - len(self._by_stream)
 
+    def _warm_gpu(self, idle: bool) -> None:
+        """Start the keep-warm kernel as the driver idles, stop it before a step (a store to
+        host memory). A failure to launch it is logged once and turns it off."""
+        if self._keep_warm is None:
+            return
+        try:
+            if idle:
+                self._keep_warm.start()
+            else:
+                self._keep_warm.stop()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: serve on without it
+            log.warning("keep_warm_failed", error=repr(exc))
+            self._keep_warm = None
+
     # --- trace events ----------------------------------------------------------------------
     def _flush_traces(self) -> None:
         """Write out the trace and step files' buffered lines: after each step's commit and
@@ -354,8 +375,10 @@ class Runtime:
                 self._gauges()
                 if step is None:
                     self._flush_traces()
+                    self._warm_gpu(True)
                     await self._idle()
                     continue
+                self._warm_gpu(False)
                 plan = self._plan(step)
                 t0 = self._clock()
                 running = loop.run_in_executor(self._pool, self._stepper.run, plan)

@@ -5,7 +5,8 @@
         [--request-starts | --no-request-starts] [--snap-starts | --no-snap-starts]
         [--short-first | --no-short-first] [--warm-quiet-ms MS] [--lanes N] [--context ROWS]
         [--decode-graphs | --no-decode-graphs] [--prefill-graphs | --no-prefill-graphs]
-        [--engine-process | --no-engine-process] [--trace FILE] [--policy FILE.toml]
+        [--engine-process | --no-engine-process] [--busy-poll | --no-busy-poll]
+        [--keep-gpu-warm | --no-keep-gpu-warm] [--trace FILE] [--policy FILE.toml]
 
 With no --model it serves the built-in tiny random Qwen3.5 (real tokenizer).
 --random-weights serves seeded random weights made on the GPU at a published size's shape
@@ -89,7 +90,9 @@ class ServeConfig:
     does not slow the steps down; False keeps them in this process (one GIL for both).
     busy_poll: the server's event loops poll their sockets without waiting once it serves,
     each costing a CPU core (the engine process's only while no step runs): a request's
-    hand-offs then find their process running (`executor.polling`).
+    hand-offs then find their process running (`executor.polling`). keep_gpu_warm: on the
+    GPU backend, a one-thread kernel runs while the runtime waits for work, so the GPU never
+    idles (`executor.numba_cuda.keep_warm`); ignored, with a warning, on the reference backend.
 
     Raises ValueError naming the field: a bad value, --model with --random-weights, an
     unknown or MoE preset, or random weights on the reference backend.
@@ -109,6 +112,7 @@ class ServeConfig:
     trace: Path | None = None
     engine_process: bool = True
     busy_poll: bool = False
+    keep_gpu_warm: bool = False
     policy: PolicyConfig = attrs.field(factory=PolicyConfig)
 
     def __attrs_post_init__(self) -> None:
@@ -180,6 +184,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="poll sockets without waiting once serving (a CPU core per process, the engine's only "
                          "between steps): shorter hand-offs on machines whose idle CPUs wake slowly "
                          "(default: %(default)s)")
+    ap.add_argument("--keep-gpu-warm", action=argparse.BooleanOptionalAction, default=d.keep_gpu_warm,
+                    help="GPU: run a one-thread kernel while waiting for work, so the GPU never idles and a "
+                         "request after an idle spell starts as fast as back to back (costs the power of a "
+                         "busy GPU; default: %(default)s)")
     ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL (and each step's "
                     "seconds and phases to FILE.steps.jsonl)")
     ap.add_argument("--policy", type=Path, metavar="FILE.toml", help="PolicyConfig fields (flags override them)")
@@ -206,7 +214,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, backend=args.backend,
                        host=args.host, port=args.port, context_rows=args.context, decode_graphs=args.decode_graphs,
                        prefill_graphs=args.prefill_graphs, trace=args.trace, engine_process=args.engine_process,
-                       busy_poll=args.busy_poll, policy=policy)
+                       busy_poll=args.busy_poll, keep_gpu_warm=args.keep_gpu_warm, policy=policy)
 
 
 def load_backend(kind: str, model_dir: Path | None, cfg: ServeConfig, config: Qwen35Config,
@@ -397,10 +405,17 @@ async def _build(cfg: ServeConfig, model: _Model, trace: IO[str] | None,
     if reserve is not None and policy.cache_enabled:  # after the warm-up: it takes what is left
         policy = cache_budget(policy, await asyncio.to_thread(reserve, policy.prompt_cache_bytes,
                                                               chunk_rows=policy.max_chunk_rows))
+    keep_warm = None
+    if cfg.keep_gpu_warm and backend_name == "cuda":
+        from executor.numba_cuda.keep_warm import KeepWarm
+
+        keep_warm = await asyncio.to_thread(KeepWarm)
+    elif cfg.keep_gpu_warm:
+        log.warning("keep_gpu_warm_ignored", backend=backend_name, reason="not the GPU backend")
     gc.collect()
     gc.freeze()  # start-up objects (weights, kernels, tokenizer) leave the collector's scans
-    return Runtime(backend, tokenizer, policy, trace=trace, steps=steps), ChatRenderer(tokenizer, model.template), \
-        backend_name, context_rows
+    runtime = Runtime(backend, tokenizer, policy, trace=trace, steps=steps, keep_warm=keep_warm)
+    return runtime, ChatRenderer(tokenizer, model.template), backend_name, context_rows
 
 
 def run_engine(conn: Any, cfg: ServeConfig) -> None:
@@ -538,7 +553,7 @@ async def _serve(cfg: ServeConfig, out: IO[str], stop: asyncio.Event, force: asy
         log.info("ready", url=url, model=model.model_name, backend=backend_name, context_rows=context_rows,
                  policy=format_policy(cfg.policy).strip().replace("\n", "; "), invariant_rows=facts.invariant_rows,
                  start_grid=facts.invariant_rows if snapping(cfg.policy, facts) else 1,
-                 engine_process=cfg.engine_process, busy_poll=cfg.busy_poll)
+                 engine_process=cfg.engine_process, busy_poll=cfg.busy_poll, keep_gpu_warm=cfg.keep_gpu_warm)
         print(f"serving {model.model_id} on the {backend_name} backend at {url}/v1", file=out, flush=True)
         print(f"ready {url}", file=out, flush=True)
         if gate is not None:  # poll from here on (`busy_poll`)

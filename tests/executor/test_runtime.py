@@ -710,3 +710,83 @@ def test_block_buffered_trace_files_hold_every_event_once_the_runtime_idles(mode
     assert (done.reason, done.completion_tokens) == ("length", 3)
     assert kinds[0] == "request_arrived" and "request_finished" in kinds
     assert len(steps_text.splitlines()) >= 3  # a prefill step and two decode rounds
+
+
+class _KeepWarm:
+    """Records the runtime's start/stop calls; `fail` makes start raise."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.running, self.calls, self.fail, self.closed = False, [], fail, False
+
+    def start(self) -> None:
+        if self.fail:
+            raise RuntimeError("planted launch failure")
+        self.running = True
+        self.calls.append("start")
+
+    def stop(self) -> None:
+        self.running = False
+        self.calls.append("stop")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Watching(Scripted):
+    """Scripted, and notes whether the keep-warm kernel ran during each prefill and decode."""
+
+    def __init__(self, inner, script, keep) -> None:
+        super().__init__(inner, script)
+        self.keep, self.seen = keep, []
+
+    def prefill(self, state, token_ids, rows, want_logits=True):
+        self.seen.append(self.keep.running)
+        return super().prefill(state, token_ids, rows, want_logits)
+
+    def decode(self, states, token_ids):
+        self.seen.append(self.keep.running)
+        return super().decode(states, token_ids)
+
+
+def test_keep_warm_runs_while_idle_and_never_during_a_step(model):
+    """`Runtime(keep_warm=...)`: started as the driver idles, stopped before each step is
+    handed to the worker (`--keep-gpu-warm`); closed with the runtime."""
+    backend, tok, _ = model
+    keep = _KeepWarm()
+    watching = _Watching(backend, _ids(tok, "one two three four five"), keep)
+
+    async def main():
+        runtime = Runtime(watching, tok, CFG, keep_warm=keep)
+        await runtime.start()
+        try:
+            await asyncio.sleep(0.02)
+            idle_before = keep.running
+            _, done = await _collect(await runtime.enqueue(_job(tok, max_tokens=3)))
+            await asyncio.sleep(0.05)
+            return idle_before, done, keep.running
+        finally:
+            await runtime.close()
+
+    idle_before, done, idle_after = asyncio.run(main())
+    assert (idle_before, idle_after) == (True, True)
+    assert done.completion_tokens == 3
+    assert watching.seen and not any(watching.seen)  # never running while a step computed
+    assert keep.calls[0] == "start" and "stop" in keep.calls and keep.closed
+
+
+def test_a_keep_warm_that_fails_to_start_is_dropped_and_serving_goes_on(model):
+    backend, tok, _ = model
+    keep = _KeepWarm(fail=True)
+
+    async def main():
+        runtime = Runtime(Scripted(backend, _ids(tok, "one two three")), tok, CFG, keep_warm=keep)
+        await runtime.start()
+        try:
+            await asyncio.sleep(0.02)
+            return await _collect(await runtime.enqueue(_job(tok, max_tokens=2)))
+        finally:
+            await runtime.close()
+
+    _, done = asyncio.run(main())
+    assert (done.reason, done.completion_tokens) == ("length", 2)
+    assert keep.calls == [] and not keep.closed  # dropped after its first failure, never called again

@@ -41,6 +41,8 @@ def test_flags_override_the_policy_file(tmp_path):
     assert config_from_args(parse_args(["--no-prefill-graphs"])).prefill_graphs is False
     assert config_from_args(parse_args([])).busy_poll is False
     assert config_from_args(parse_args(["--busy-poll"])).busy_poll is True
+    assert config_from_args(parse_args([])).keep_gpu_warm is False
+    assert config_from_args(parse_args(["--keep-gpu-warm"])).keep_gpu_warm is True
     path.write_text("snap_starts = false\n")
     assert config_from_args(parse_args(["--policy", str(path), "--snap-starts"])).policy.snap_starts is True
 
@@ -119,6 +121,20 @@ def test_a_busy_polling_server_serves_streams_and_stops(placement):
         assert whole.usage.completion_tokens == 4
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
         assert '"busy_poll": true' in server.stderr_tail(100)
+    finally:
+        assert server.stop() == 0
+
+
+def test_keep_gpu_warm_on_the_reference_backend_is_ignored_with_a_warning():
+    """--keep-gpu-warm needs the GPU backend: on the reference backend the server says so in
+    its log and serves as without it."""
+    server = ServerProcess("--keep-gpu-warm", "--backend", "reference", "--no-engine-process")
+    try:
+        reply = server.client().chat.completions.create(model="tiny-qwen3_5-v1", max_tokens=2, seed=1,
+                                                         messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.completion_tokens == 2
+        log = server.stderr_tail(200)
+        assert "keep_gpu_warm_ignored" in log and '"keep_gpu_warm": true' in log
     finally:
         assert server.stop() == 0
 
