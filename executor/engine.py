@@ -464,7 +464,9 @@ class EngineClient:
             future = self._pending.pop(token)
             handle = Handle(rid, conversation, prompt_tokens)
             self._handles[rid] = handle
-            if not future.done():
+            if future.done():  # the caller went away while it waited (a client gone): cancel the request
+                self.cancel(handle)
+            else:
                 future.set_result(handle)
         elif kind == "rejected":
             future = self._pending.pop(message[1])

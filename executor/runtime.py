@@ -121,6 +121,11 @@ on the 27B server was the step's end (the first token then gained nothing: bench
 session 16)."""
 
 
+KEEP_WARM_WAKE_S = 0.2
+"""With a keep-warm kernel, the longest the idle driver waits before it asks whether the
+kernel returned (after its max_s) and launches it again: the GPU idles at most this long."""
+
+
 class Runtime:
     """Serves `Job`s on `backend` under `cfg` (see the module docstring).
 
@@ -267,6 +272,7 @@ class Runtime:
         reason = self._rejected.pop(rid, None)
         if reason is not None:
             del self._lives[rid]
+            self._flush_traces()  # the driver is not woken for it
             raise Rejected(reason)
         self._wake.set()
         return handle
@@ -282,7 +288,11 @@ class Runtime:
         instead of 0.31; the handler's writes now overlap the step's restore, which they slow
         by ~0.1 ms through the GIL (bench/RESULTS.md, session 24)."""
         handle = self.submit(job)
-        await asyncio.sleep(0)
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:  # the caller went away (a client gone) and will never cancel it
+            self.cancel(handle)
+            raise
         return handle
 
     def cancel(self, handle: Handle) -> None:
@@ -336,14 +346,20 @@ class Runtime:
                 self._keep_warm.stop()
         except Exception as exc:  # noqa: BLE001 - an optimisation: serve on without it
             log.warning("keep_warm_failed", error=repr(exc))
-            self._keep_warm = None
+            keep, self._keep_warm = self._keep_warm, None
+            try:
+                keep.stop()  # a store to host memory: whatever it launched returns
+            except Exception:  # noqa: BLE001, S110 - nothing more to do for an optimisation
+                pass
 
     # --- trace events ----------------------------------------------------------------------
     def _flush_traces(self) -> None:
-        """Write out the trace and step files' buffered lines: after each step's commit and
-        before the driver idles, never between a request's arrival and its first token (a
-        line-buffered trace made a write system call per event there: bench/RESULTS.md,
-        session 24), so a reader of an idle server's files sees every event."""
+        """Write out the trace and step files' buffered lines: once a step is handed to the
+        worker (so a crash in it leaves its arrivals and chunk on disk), after its commit,
+        before the driver idles and after a rejection; not between a request's arrival and
+        the hand-off of its step (a line-buffered trace made a write system call per event
+        there: bench/RESULTS.md, session 24). A reader of an idle server's files sees every
+        event; a process killed mid-commit loses that commit's lines."""
         for f in (self._trace, self._steps):
             if f is not None:
                 f.flush()
@@ -366,6 +382,12 @@ class Runtime:
 
     # --- the driver ------------------------------------------------------------------------
     async def _drive(self) -> None:
+        try:
+            await self._drive_steps()
+        finally:  # closing, or failed: no kernel spins on while the device is released
+            self._warm_gpu(False)
+
+    async def _drive_steps(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
             self._wake.clear()
@@ -382,6 +404,7 @@ class Runtime:
                 plan = self._plan(step)
                 t0 = self._clock()
                 running = loop.run_in_executor(self._pool, self._stepper.run, plan)
+                self._flush_traces()  # while the step computes: its arrivals and chunk are on disk if it crashes
                 self.stepping = True
                 try:
                     outcome = await running
@@ -432,6 +455,8 @@ class Runtime:
     async def _idle(self) -> None:
         timer = self.scheduler.next_timer_s()
         timeout = None if timer is None else max(0.001, timer - self.now())
+        if self._keep_warm is not None:  # wake to launch the keep-warm kernel again once it returned (max_s)
+            timeout = KEEP_WARM_WAKE_S if timeout is None else min(timeout, KEEP_WARM_WAKE_S)
         try:
             async with asyncio.timeout(timeout):  # in this task: a wake resumes the driver in one hop,
                 await self._wake.wait()           # where wait_for's inner task (Python 3.11) took three

@@ -185,9 +185,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          "between steps): shorter hand-offs on machines whose idle CPUs wake slowly "
                          "(default: %(default)s)")
     ap.add_argument("--keep-gpu-warm", action=argparse.BooleanOptionalAction, default=d.keep_gpu_warm,
-                    help="GPU: run a one-thread kernel while waiting for work, so the GPU never idles and a "
-                         "request after an idle spell starts as fast as back to back (costs the power of a "
-                         "busy GPU; default: %(default)s)")
+                    help="GPU: run a one-thread kernel while waiting for work (launched again every second), "
+                         "so the GPU does not idle and a request after an idle spell starts as fast as back to "
+                         "back (costs the power of a busy GPU; default: %(default)s)")
     ap.add_argument("--trace", type=Path, metavar="FILE", help="write every scheduler event as JSONL (and each step's "
                     "seconds and phases to FILE.steps.jsonl)")
     ap.add_argument("--policy", type=Path, metavar="FILE.toml", help="PolicyConfig fields (flags override them)")

@@ -10,7 +10,11 @@ session 24). The GPU itself runs its clocks down while idle (nvidia-smi reads 34
 How: `KeepWarm.start()` launches one thread (keep_warm.cu) on a stream of its own that polls a
 flag in mapped host memory and returns when `stop()` sets it (a store to host memory, no
 driver call: the thread sees it within a few microseconds) or after `max_s` seconds; the
-runtime starts it when it goes idle and stops it before it hands a step to the worker. The
+runtime starts it when it goes idle, asks again every `runtime.KEEP_WARM_WAKE_S` while idle
+(a launch that returned is launched again), and stops it before it hands a step to the
+worker and when its driver exits. The stream is a blocking one: work on the legacy default
+stream waits for the kernel, so nothing may touch the device while it runs (the runtime
+does no device work while idle). The
 cost is the power of a GPU that never idles. Not available under the CUDA simulator (its
 launches run to completion in the caller's thread).
 """

@@ -636,3 +636,31 @@ def test_the_engine_prewarms_each_chat_request_s_history(renderer):
     other = ChatRenderer(renderer.tokenizer, renderer.template)
     attrs.evolve(job.continuation, renderer=other).prewarm(job.prompt_ids[1:])
     assert len(other._blocks) == 0
+
+
+def test_a_caller_gone_while_its_submit_waits_for_acceptance_cancels_the_request(renderer):
+    """A client that goes away while `EngineClient.enqueue` waits for "accepted" (aiohttp
+    cancels the handler) never gets a handle to cancel: the client cancels the request when
+    its acceptance arrives, instead of leaving it to run to max_tokens holding a lane (a
+    fresh review, session 24: 10 of 10 such requests ran on)."""
+    cfg = ServeConfig(backend="reference", policy=POLICY)
+
+    async def run():
+        client = await EngineClient.start(run_engine, (cfg,), timeout_s=120)
+        try:
+            gone = asyncio.create_task(client.enqueue(_job(renderer, max_tokens=400)))
+            await asyncio.sleep(0)  # the submit is on the pipe
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            for _ in range(400):
+                text = (await client.render_metrics()).decode()
+                if 'warmstate_requests_total{outcome="cancelled"} 1.0' in text:
+                    break
+                await asyncio.sleep(0.025)
+            assert 'warmstate_requests_total{outcome="cancelled"} 1.0' in text
+            assert client.lanes_busy == 0
+        finally:
+            await client.close()
+
+    asyncio.run(run())

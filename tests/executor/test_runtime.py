@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import threading
 
 import attrs
 import numpy as np
@@ -789,4 +790,88 @@ def test_a_keep_warm_that_fails_to_start_is_dropped_and_serving_goes_on(model):
 
     _, done = asyncio.run(main())
     assert (done.reason, done.completion_tokens) == ("length", 2)
-    assert keep.calls == [] and not keep.closed  # dropped after its first failure, never called again
+    assert keep.calls == ["stop"] and not keep.closed  # stopped and dropped at its first failure, never called again
+
+
+def test_a_caller_cancelled_inside_enqueue_cancels_its_request(model):
+    """`Runtime.enqueue` yields after the submit; a handler cancelled there (its client gone)
+    never gets the handle, so enqueue cancels the request itself (a fresh review, session 24:
+    without it the request ran to max_tokens holding a lane)."""
+    _, tok, _ = model
+
+    async def jobs(runtime, trace):
+        task = asyncio.create_task(runtime.enqueue(_job(tok, max_tokens=400)))
+        await asyncio.sleep(0)  # submitted; the task waits in enqueue's yield
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _wait_for(trace, "request_finished")
+        return runtime.lanes_busy
+
+    busy, events = _run_jobs(model, _ids(tok, "one two three four five"), jobs)
+    finished = [e for e in events if e["kind"] == "request_finished"]
+    assert [e["reason"] for e in finished] == ["cancelled"] and busy == 0
+
+
+class _Blocking(Scripted):
+    """Scripted, whose prefill waits for `go` (a step in flight, as long as a test needs)."""
+
+    def __init__(self, inner, script) -> None:
+        super().__init__(inner, script)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def prefill(self, state, token_ids, rows, want_logits=True):
+        self.entered.set()
+        assert self.go.wait(10.0)
+        return super().prefill(state, token_ids, rows, want_logits)
+
+
+def test_a_step_s_arrival_and_chunk_are_on_disk_while_it_computes(model, tmp_path):
+    """The block-buffered trace is flushed once a step is handed to the worker: a process that
+    dies in the step leaves the request's arrival, admission and chunk_started behind (a
+    fresh review, session 24: a kill mid-step left an empty trace)."""
+    backend, tok, _ = model
+    path = tmp_path / "t.jsonl"
+    blocking = _Blocking(backend, _ids(tok, "one two"))
+
+    async def main():
+        with path.open("w", encoding="utf-8") as trace:
+            runtime = Runtime(blocking, tok, CFG, trace=trace)
+            await runtime.start()
+            try:
+                handle = await runtime.enqueue(_job(tok, max_tokens=2))
+                assert await asyncio.to_thread(blocking.entered.wait, 10.0)
+                during = path.read_text()
+                blocking.go.set()
+                await _collect(handle)
+                return during
+            finally:
+                blocking.go.set()
+                await runtime.close()
+
+    during = asyncio.run(main())
+    kinds = [json.loads(line)["kind"] for line in during.splitlines()]
+    assert kinds[:3] == ["request_arrived", "request_admitted", "chunk_started"]
+
+
+def test_the_idle_driver_asks_the_keep_warm_kernel_again_while_idle(model):
+    """With a keep-warm kernel the idle driver wakes every KEEP_WARM_WAKE_S to launch it again
+    once it returned after its max_s (a fresh review, session 24: idle spells over max_s let the
+    GPU idle)."""
+    from executor.runtime import KEEP_WARM_WAKE_S
+
+    backend, tok, _ = model
+    keep = _KeepWarm()
+
+    async def main():
+        runtime = Runtime(Scripted(backend, _ids(tok, "ok")), tok, CFG, keep_warm=keep)
+        await runtime.start()
+        try:
+            await asyncio.sleep(5 * KEEP_WARM_WAKE_S)
+            return keep.calls.count("start")
+        finally:
+            await runtime.close()
+
+    starts = asyncio.run(main())
+    assert 3 <= starts <= 7
+    assert keep.calls[-1] == "stop"  # the driver stops it as it exits
