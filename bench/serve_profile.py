@@ -84,6 +84,10 @@ PROMPT_CACHE_GIB = 4
 context's kept prefix and a few points, and a small reserve of cache memory at start-up
 (`NumbaCudaBackend.reserve_cache`) beside the 64 GiB default."""
 
+SETTLE_S = 0.03
+"""Seconds between two reads of the step file that must agree before a batch is taken (the
+server idle): longer than the loop's time between two steps of one batch."""
+
 PREFILL_TOKENS = 2
 """Tokens a timed prefill point's request asks for. Not 1: the loop's time after a chunk
 step (chunk_s) is measured only where a busy step follows it, and a reply that ended at
@@ -256,8 +260,18 @@ def measure(client: Client, steps_path: Path, grid: ServeGrid, log: Callable[[st
     seen = len(read_steps(steps_path))
 
     def new_steps() -> list[dict[str, Any]]:
+        """The steps since the last call, once the server is idle: the file read again every
+        SETTLE_S until it stops growing (a reply can reach the client before the step that
+        ends its request is written, or before a step that request caused runs: without the
+        wait such a step went to the next batch, as a fresh CI run found in session 24)."""
         nonlocal seen
         steps = read_steps(steps_path)
+        while True:
+            time.sleep(SETTLE_S)
+            again = read_steps(steps_path)
+            if len(again) == len(steps):
+                break
+            steps = again
         out, seen = steps[seen:], len(steps)
         return out
 
