@@ -355,11 +355,12 @@ class Runtime:
     # --- trace events ----------------------------------------------------------------------
     def _flush_traces(self) -> None:
         """Write out the trace and step files' buffered lines: once a step is handed to the
-        worker (so a crash in it leaves its arrivals and chunk on disk), after its commit,
-        before the driver idles and after a rejection; not between a request's arrival and
-        the hand-off of its step (a line-buffered trace made a write system call per event
+        worker (the last commit's lines and this step's arrivals and chunk, written while it
+        computes: a crash in it leaves them on disk), before the driver idles and after a
+        rejection; never between a request's arrival and the hand-off of its step, nor between
+        a commit and the next step (a line-buffered trace made a write system call per event
         there: bench/RESULTS.md, session 24). A reader of an idle server's files sees every
-        event; a process killed mid-commit loses that commit's lines."""
+        event; a process killed mid-step loses the lines of that step's commit."""
         for f in (self._trace, self._steps):
             if f is not None:
                 f.flush()
@@ -410,8 +411,7 @@ class Runtime:
                     outcome = await running
                 finally:
                     self.stepping = False
-                self._commit(plan, outcome, self._clock() - t0)
-                self._flush_traces()
+                self._commit(plan, outcome, self._clock() - t0)  # its lines go out at the next hand-off or idle
                 self._steps_run += 1
                 if self._background and (not self._awaiting_first_token()
                                          or self._steps_run - self._background[0][1] >= BACKGROUND_MAX_WAIT_STEPS):

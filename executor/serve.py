@@ -91,8 +91,9 @@ class ServeConfig:
     busy_poll: the server's event loops poll their sockets without waiting once it serves,
     each costing a CPU core (the engine process's only while no step runs): a request's
     hand-offs then find their process running (`executor.polling`). keep_gpu_warm: on the
-    GPU backend, a one-thread kernel runs while the runtime waits for work, so the GPU never
-    idles (`executor.numba_cuda.keep_warm`); ignored, with a warning, on the reference backend.
+    GPU backend, a one-thread kernel runs while the runtime waits for work (launched again
+    each second), so the GPU does not idle (`executor.numba_cuda.keep_warm`); ignored, with a
+    warning, on the reference backend.
 
     Raises ValueError naming the field: a bad value, --model with --random-weights, an
     unknown or MoE preset, or random weights on the reference backend.
@@ -382,7 +383,8 @@ def _open_traces(cfg: ServeConfig) -> tuple[IO[str], IO[str]] | tuple[None, None
     if not cfg.trace:
         return None, None
     steps = cfg.trace.with_name(cfg.trace.name + ".steps.jsonl")
-    # block-buffered: the runtime flushes both after each step and before it idles (Runtime._flush_traces)
+    # block-buffered: the runtime flushes both as it hands a step to the worker and before it idles
+    # (Runtime._flush_traces)
     return cfg.trace.open("w", encoding="utf-8"), steps.open("w", encoding="utf-8")
 
 

@@ -14,9 +14,8 @@ runtime starts it when it goes idle, asks again every `runtime.KEEP_WARM_WAKE_S`
 (a launch that returned is launched again), and stops it before it hands a step to the
 worker and when its driver exits. The stream is a blocking one: work on the legacy default
 stream waits for the kernel, so nothing may touch the device while it runs (the runtime
-does no device work while idle). The
-cost is the power of a GPU that never idles. Not available under the CUDA simulator (its
-launches run to completion in the caller's thread).
+does no device work while idle). The cost is the power of a GPU that never idles. Not
+available under the CUDA simulator (its launches run to completion in the caller's thread).
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ def _kernel():
 
 class KeepWarm:
     """A one-thread kernel that runs between `start()` and `stop()` (or for at most `max_s`
-    seconds: a server idle longer lets its GPU idle again until the next `start()`).
+    seconds: the next `start()` after that launches it again).
 
     Raises RuntimeError under the CUDA simulator; ValueError when max_s is not a positive
     number of seconds."""
@@ -70,7 +69,7 @@ class KeepWarm:
     def start(self) -> None:
         """Launch the spinning thread unless one runs (not stopped and not returned after
         max_s); one launch and an event record, or one event query when it runs."""
-        if self.running and not self._done.query():
+        if self.running and not self.finished():
             return
         self._flag[0] = 0
         self._kernel[1, 1, self._stream](self._flag_ptr, self.max_ns)
