@@ -139,8 +139,9 @@ class NumbaCudaBackend:
         chunk, tested); every bucket is captured now (again, replacing earlier graphs, when
         called again); buckets (default graphs.BUCKETS) whose key blocks do not fit the
         pool's capacity are left out, and so is a bucket whose capture fails (logged).
-        prune: leave out the buckets from the first whose replay is not faster than the
-        eager chunk of the bucket below (`PrefillGraphs.prepare`; logged). Needs
+        prune: leave out a bucket whose replay is not faster than the eager chunk of the
+        kept bucket below, and every bucket above one whose replay is graphs.PRUNE_STOP times
+        that chunk or more (`PrefillGraphs.prepare`; logged). Needs
         the tensor-core delta rule and the fused attention (their kernels read rows, start and
         slot on the device); returns False, leaving prefill eager with the reason in
         `prefill_graphs_off`, on a backend that runs another path, when no bucket fits, or

@@ -214,7 +214,8 @@ BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 way): a chunk of n rows runs in the smallest bucket >= n. How far a graph pays depends on
 the model and the host: past 256 rows a 27B chunk's kernels outlast its launches, while a
 2B chunk of 512 or 1024 rows is still host-bound (RESULTS.md). So `prepare(prune=True)`,
-which the server uses, times each bucket at capture and stops where the graph stops paying
+which the server uses, times each bucket at capture, leaves out a bucket whose replay is not
+faster than the eager chunk it competes with, and stops where the graph has stopped paying
 (`PrefillGraphs.prepare`)."""
 
 
@@ -295,15 +296,19 @@ class PrefillGraphs:
         the reason in `failed`; RuntimeError when none is left.
 
         prune: keep a bucket b only when its replay is faster than the eager chunk of the
-        bucket below it, p (`seconds`, medians of TIMED_RUNS): the fewest rows b holds are
-        p + 1, and eager time grows with rows, so a kept graph is never slower than eager
-        launches for any chunk it holds. At the first b that fails, its smallest chunks would
-        run slower as a graph (its largest may still run faster), and b and every bucket above
-        it are left out of `buckets`, with the timings in `pruned`: their chunks launch
-        eagerly. Stopping there assumes the graph's gain shrinks as rows grow (kernels grow
-        with rows, launches do not), as it did on every H200 host measured. The private pool
-        keeps the blocks b's capture took (buckets share them; none is freed while a graph
-        lives)."""
+        kept bucket below it, p (`seconds`, medians of TIMED_RUNS): the fewest rows b would
+        hold are p + 1, and eager time grows with rows, so a kept graph is never slower than
+        eager launches for any chunk it holds. A bucket that fails is destroyed (its timings
+        in `pruned`) and the next one is still tried against the same p, since replays need
+        not grow with rows: on the H200 the 27B's 64-row replay (18.7 ms) beat its 32-row one
+        (19.2-19.6 ms) in every server, and a 32-row replay 0.09 ms behind the eager 16-row
+        chunk once pruned 64 with it, running the off-grid warm turn's 51-row chunk eagerly
+        (+1.7 ms; bench/RESULTS.md, session 25). The walk stops at the first bucket whose
+        replay is PRUNE_STOP times the eager chunk of p or more: the graph has stopped paying
+        (kernels grow with rows, launches do not), and it and every bucket above it are left
+        out without a capture ("above b"); their chunks launch eagerly. The private pool
+        keeps the blocks a destroyed capture took (buckets share them; none is freed while a
+        graph lives)."""
         below = None
         for i, rows in enumerate(self.buckets):
             if rows in self._graphs:
@@ -318,10 +323,13 @@ class PrefillGraphs:
                 graph = self._graphs.pop(rows)
                 _driver.cuGraphExecDestroy(graph.executable)
                 _driver.cuGraphDestroy(graph.graph)
-                why = (f"its replay took {self.seconds[rows][1] * 1e3:.2f} ms, the eager chunk of {below} rows "
-                       f"{self.seconds[below][0] * 1e3:.2f} ms")
-                self.pruned.update({b: why if b == rows else f"above {rows}" for b in self.buckets[i:]})
-                break
+                replay, eager = self.seconds[rows][1], self.seconds[below][0]
+                self.pruned[rows] = (f"its replay took {replay * 1e3:.2f} ms, the eager chunk of {below} rows "
+                                     f"{eager * 1e3:.2f} ms")
+                if replay >= PRUNE_STOP * eager:
+                    self.pruned.update({b: f"above {rows}" for b in self.buckets[i + 1:]})
+                    break
+                continue
             below = rows
         self.buckets = tuple(b for b in self.buckets if b in self._graphs)
         if not self.buckets:
@@ -383,6 +391,14 @@ class PrefillGraphs:
         self._graphs.clear()
         self.pool.release()
 
+
+PRUNE_STOP = 1.1
+"""`prepare(prune=True)` captures no bucket above one whose replay takes this many times the
+eager chunk it competes with (the kept bucket below's): at 10% over, the next bucket, with
+twice the rows, is not expected back under it. 27B on the H200, four servers: the 128-row
+replay took 1.27-1.39x the eager 64-row chunk, the 32-row one 0.87-1.005x the eager 16-row
+chunk, the 64-row one 0.86-0.93x the eager 32-row chunk (0.96x the eager 16-row chunk in the
+server that pruned 32); bench/RESULTS.md, session 25."""
 
 TIMED_RUNS = 3
 """Runs per timing of `_median_seconds` (the prune decision reads the medians)."""

@@ -139,6 +139,40 @@ def test_prune_stops_at_the_first_bucket_no_faster_than_the_eager_chunk_below(mo
     assert g.buckets == (16,) and set(g.pruned) == {32}
 
 
+def test_a_near_miss_prunes_its_bucket_only_and_the_next_is_judged_against_the_same_eager_chunk(monkeypatch):
+    """The 27B server of session 25 that pruned 32 (bench/RESULTS.md), ms as logged: the
+    32-row replay (19.63) is 0.09 ms behind the eager 16-row chunk (19.54), so 32 is pruned;
+    64's replay (18.66, another server of that call: this one captured nothing above 32), with
+    twice the rows, beats that same eager chunk and is kept (the off-grid warm turn's 51-row
+    chunk replays instead of launching eagerly: 19.3 against 21 ms); 128's replay (27.53) is
+    1.38x the eager 64-row chunk, past PRUNE_STOP: 128 is pruned and nothing above it is
+    captured. The code before stopped at 32 and kept only (16,)."""
+    ms = 1e-3
+    timings = {16: (19.54 * ms, 17.42 * ms), 32: (20.73 * ms, 19.63 * ms), 64: (19.98 * ms, 18.66 * ms),
+               128: (28.61 * ms, 27.53 * ms), 256: RuntimeError("not captured"), 512: RuntimeError("not captured"),
+               1024: RuntimeError("not captured")}
+    log = []
+    monkeypatch.setattr(graphs, "_driver", _Driver(log))
+    g = _Captures(graphs.BUCKETS, timings)
+    g.prepare(prune=True)
+    assert g.buckets == (16, 64)
+    assert g.pruned == {32: "its replay took 19.63 ms, the eager chunk of 16 rows 19.54 ms",
+                        128: "its replay took 27.53 ms, the eager chunk of 64 rows 19.98 ms",
+                        256: "above 128", 512: "above 128", 1024: "above 128"}
+    assert log == ["exec 32", "graph 32", "exec 128", "graph 128"] and not g.failed
+    assert set(g.seconds) == {16, 32, 64, 128}
+    assert g.bucket(17) == 64 and g.bucket(51) == 64 and g.bucket(65) is None
+    # two near misses in a row: each pruned, the walk goes on; a miss at PRUNE_STOP exactly stops it
+    g = _Captures((16, 32, 64, 128, 256, 512), {16: (10 * ms, 8 * ms), 32: (12 * ms, 10.5 * ms), 64: (14 * ms, 10.9 * ms),
+                                                128: (15 * ms, 9.9 * ms), 256: (20 * ms, graphs.PRUNE_STOP * 15 * ms),
+                                                512: RuntimeError("not captured")})
+    g.prepare(prune=True)
+    assert g.buckets == (16, 128) and not g.failed
+    assert g.pruned == {32: "its replay took 10.50 ms, the eager chunk of 16 rows 10.00 ms",
+                        64: "its replay took 10.90 ms, the eager chunk of 16 rows 10.00 ms",
+                        256: "its replay took 16.50 ms, the eager chunk of 128 rows 15.00 ms", 512: "above 256"}
+
+
 def test_median_seconds_times_each_run_until_the_device_is_done(monkeypatch):
     """TIMED_RUNS runs, each timed through its stream's synchronize: the median of them
     (a fake clock that the device's waits advance: 30, 1 and 10 ms)."""

@@ -183,19 +183,27 @@ def test_buckets_and_serves(backend):
     assert graphs.serves(CAPACITY - 32, CAPACITY) and not graphs.serves(CAPACITY - 31, CAPACITY + 1)
 
 
-def test_pruned_buckets_are_the_top_ones_with_their_timings(backend):
-    """The server's capture (prune on): the kept buckets are the smallest ones, each timed;
-    every bucket above them is pruned, the first with the timings that pruned it."""
+def test_each_kept_bucket_beats_the_eager_chunk_of_the_kept_bucket_below(backend):
+    """The server's capture (prune on): the first bucket is kept; every other kept bucket's
+    replay is faster than the eager chunk of the kept bucket below it, and every pruned one
+    that was captured is not (its timings in the reason); the buckets past the first replay
+    at PRUNE_STOP times that chunk or more were never captured ("above b")."""
     try:
         assert backend.enable_prefill_graphs(), backend.prefill_graphs_off
         g = backend.prefill_graphs
-        kept = len(g.buckets)
-        assert g.buckets == nb_graphs.BUCKETS[:kept] and kept >= 1
-        assert set(g.pruned) == set(nb_graphs.BUCKETS[kept:])
+        assert g.buckets[0] == nb_graphs.BUCKETS[0] and set(g.buckets) | set(g.pruned) == set(nb_graphs.BUCKETS)
         assert all(b in g.seconds and min(g.seconds[b]) > 0 for b in g.buckets)
-        if g.pruned:
-            first = nb_graphs.BUCKETS[kept]
-            assert g.seconds[first][1] >= g.seconds[g.buckets[-1]][0] and "eager chunk" in g.pruned[first]
+        below, stopped = None, None
+        for b in nb_graphs.BUCKETS:
+            if stopped is not None:
+                assert g.pruned[b] == f"above {stopped}" and b not in g.seconds
+            elif b in g.buckets:
+                assert below is None or g.seconds[b][1] < g.seconds[below][0]
+                below = b
+            else:
+                assert g.seconds[b][1] >= g.seconds[below][0] and f"eager chunk of {below} rows" in g.pruned[b]
+                if g.seconds[b][1] >= nb_graphs.PRUNE_STOP * g.seconds[below][0]:
+                    stopped = b
     finally:
         assert backend.enable_prefill_graphs(prune=False)  # the other tests' buckets
         assert backend.prefill_graphs.buckets == nb_graphs.BUCKETS
