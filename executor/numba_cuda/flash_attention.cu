@@ -271,6 +271,63 @@ __device__ __forceinline__ float quad_sum(float l) {
     return l;
 }
 
+// The thread's part of its warp's O total in shared memory from `base` (D / 8 float4 at
+// [n * 32], n the column tile; warps one after another), zeroed.
+template <int D>
+__device__ __forceinline__ float4* zeroed_total(bf16_t* base, int warp, int lane) {
+    float4* total = reinterpret_cast<float4*>(base) + warp * (D / 8) * 32 + lane;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) total[n * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    return total;
+}
+
+// The fold of a segment's (m, l, O) (registers, O as the warp's mma accumulator fragments) into
+// the warp's running (M, L) (registers) and O total (shared memory, `total[n * 32]` the float4 of
+// column tile n): see `fold_factors`. No key of a row in the segment (m = -inf): c1 = 1, c2 = 0,
+// O_s = l_s = 0, so the fold changes no bit (but a -0 in O: see the header).
+template <int D>
+__device__ __forceinline__ void fold_into_total(float4* total, float (&M)[2], float (&L)[2], const float (&acc)[D / 8][4],
+                                                const float (&m)[2], const float (&l)[2]) {
+    const float ls[2] = {quad_sum(l[0]), quad_sum(l[1])};
+    float c1[2], c2[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        fold_factors(M[r], m[r], c1[r], c2[r]);
+        L[r] = fold(L[r], ls[r], c1[r], c2[r]);
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        float4 o = total[n * 32];
+        o.x = fold(o.x, acc[n][0], c1[0], c2[0]);
+        o.y = fold(o.y, acc[n][1], c1[0], c2[0]);
+        o.z = fold(o.z, acc[n][2], c1[1], c2[1]);
+        o.w = fold(o.w, acc[n][3], c1[1], c2[1]);
+        total[n * 32] = o;
+    }
+}
+
+// out (bf16 [rows, q_heads * D]) of the warp's two rows g and g + 8 from its O total and L:
+// (O / L) gated by qg's second half of each head (`gated`).
+template <int D>
+__device__ __forceinline__ void write_gated(bf16_t* out, const float* qg, const float4* total, const float (&L)[2],
+                                            int warp_first, int g, int t, int vrows, int group, int h, int q_heads) {
+    const size_t gate_stride = (size_t)q_heads * 2 * D;
+    const size_t out_stride = (size_t)q_heads * D;
+    int vr[2], row[2], head[2];
+    row_pair(vr, row, head, warp_first, g, vrows, group, h);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (vr[r] >= vrows) continue;
+        const float* gate = qg + row[r] * gate_stride + (size_t)head[r] * 2 * D + D + 2 * t;
+        u32* dst = reinterpret_cast<u32*>(out + row[r] * out_stride + (size_t)head[r] * D + 2 * t);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            const float4 o = total[n * 32];
+            dst[n * 4] = pack2(gated(r ? o.z : o.x, L[r], gate[n * 8]), gated(r ? o.w : o.y, L[r], gate[n * 8 + 1]));
+        }
+    }
+}
+
 // The CTA's walk over key blocks [first, last) through a ring of STAGES (K, V) block pairs in
 // dynamic shared memory, blocks b + 1 .. b + STAGES - 1 in flight while block b runs (one
 // barrier a block): a short chunk has a CTA or two per SM and nothing else to hide the copies'
@@ -332,7 +389,6 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
                                               int q_heads, int kv_heads, float scale) {
     constexpr int THREADS = WARPS * 32;
     constexpr int BLOCK = BN * (D + 8);
-    constexpr int FRAGS = D / 8 * 4;  // O values a thread holds (two rows)
 
     const int group = q_heads / kv_heads;
     const int h = blockIdx.y;
@@ -412,50 +468,17 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
         // (a warp's 16-byte accesses to one n are consecutive: no bank conflict; 4-wide, so a
         // fold is 32 shared round trips a thread, not 128: with every register taken by O and
         // Q, they barely overlap)
-        float4* total = reinterpret_cast<float4*>(ring + 2 * STAGES * BLOCK) + warp * (FRAGS / 4) * 32 + lane;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) total[n * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4* total = zeroed_total<D>(ring + 2 * STAGES * BLOCK, warp, lane);
         float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
         reset();
         auto fold_segment = [&](int s0) {
             if (s0 >= warp_blocks) return;  // no row of the warp reaches the segment
-            const float ls[2] = {quad_sum(l[0]), quad_sum(l[1])};
-            // no key of a row in the segment (m = -inf): c1 = 1, c2 = 0, O_s = l_s = 0, so the
-            // fold changes no bit (but a -0 in O: see the header)
-            float c1[2], c2[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                fold_factors(M[r], m[r], c1[r], c2[r]);
-                L[r] = fold(L[r], ls[r], c1[r], c2[r]);
-            }
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                float4 o = total[n * 32];
-                o.x = fold(o.x, acc[n][0], c1[0], c2[0]);
-                o.y = fold(o.y, acc[n][1], c1[0], c2[0]);
-                o.z = fold(o.z, acc[n][2], c1[1], c2[1]);
-                o.w = fold(o.w, acc[n][3], c1[1], c2[1]);
-                total[n * 32] = o;
-            }
+            fold_into_total<D>(total, M, L, acc, m, l);
             reset();
         };
         walk_blocks<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, 0, blocks, k_off, v_off, run,
                                                         fold_segment);
-        const size_t gate_stride = (size_t)q_heads * 2 * D;
-        const size_t out_stride = (size_t)q_heads * D;
-        int vr[2], row[2], head[2];
-        row_pair(vr, row, head, warp_first, g, vrows, group, h);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (vr[r] >= vrows) continue;
-            const float* gate = qg + row[r] * gate_stride + (size_t)head[r] * 2 * D + D + 2 * t;
-            u32* dst = reinterpret_cast<u32*>(out + row[r] * out_stride + (size_t)head[r] * D + 2 * t);
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                const float4 o = total[n * 32];
-                dst[n * 4] = pack2(gated(r ? o.z : o.x, L[r], gate[n * 8]), gated(r ? o.w : o.y, L[r], gate[n * 8 + 1]));
-            }
-        }
+        write_gated<D>(out, qg, total, L, warp_first, g, t, vrows, group, h, q_heads);
     }
 }
 

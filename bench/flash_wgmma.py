@@ -1,0 +1,113 @@
+"""The wgmma walk (bench/flash_wgmma.cu, an experiment the backend does not use) against the
+production flash attention walk (`attention_flash.prefill`, mma.sync, 8 warps, not split) on
+the same inputs: every output bit compared, CUDA-event ms (median of 5) and TFLOP/s (causal:
+4 x head_dim x q_heads x the keys each row sees). Issue 5: the 9B 32K TTFT needs attention at
+about twice its speed; bench/RESULTS.md, session 26, has the table and where the time goes.
+
+Usage (H200): python -m bench.flash_wgmma [--cases 27b:51@1984,9b:8192@24576] [--compile-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from bench.nvrtc_cubin import Module, compile_cubin, wgmma_function
+from executor.safetensors_file import f32_to_bf16
+
+SOURCE = Path(__file__).with_name("flash_wgmma.cu")
+PRODUCTION = Path(__file__).parent.parent / "executor" / "numba_cuda" / "flash_attention.cu"
+HEADS = {"27b": (24, 4), "9b": (16, 4)}
+"""(q_heads, kv_heads) of each model's attention layers (head_dim 256)."""
+DEFAULT_CASES = "27b:51@1984,27b:2000@0,9b:4096@0,9b:8192@24576"
+KERNEL = "flash_wgmma_walk_256"
+THREADS = 256
+SHARED_BYTES = 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4
+"""A ring of 3 (K, V) blocks of 32 keys x 256 dims bf16, and 8 warps' running outputs (f32)."""
+
+
+def source() -> str:
+    """flash_attention.cu's text, then flash_wgmma.cu's with its two wgmma functions generated in."""
+    fns = wgmma_function("wgmma_s", 32, True, False) + wgmma_function("wgmma_o", 256, True, True)
+    return PRODUCTION.read_text() + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", fns)
+
+
+def parse_cases(text: str) -> list[tuple[str, int, int]]:
+    """'27b:51@1984,...' -> [(model, rows, start), ...]; ValueError naming a bad item."""
+    cases = []
+    for item in text.split(","):
+        try:
+            model, rest = item.split(":")
+            rows, start = (int(x) for x in rest.split("@"))
+        except ValueError:
+            raise ValueError(f"--cases item {item!r} is not MODEL:ROWS@START") from None
+        if model not in HEADS or rows < 1 or start < 0:
+            raise ValueError(f"--cases item {item!r}: model one of {sorted(HEADS)}, rows >= 1, start >= 0")
+        cases.append((model, rows, start))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=DEFAULT_CASES, help=f"MODEL:ROWS@START, comma-separated ({DEFAULT_CASES})")
+    parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
+    args = parser.parse_args(argv)
+    cases = parse_cases(args.cases)
+    cubin, log = compile_cubin(source(), "flash_wgmma.cu")
+    lines = log.splitlines()
+    print("\n".join(x for i, x in enumerate(lines) if "C75" in x or (KERNEL in x and "Compiling" in x)
+                    or (i >= 2 and KERNEL in lines[i - 2]) or (i >= 3 and KERNEL in lines[i - 3])))
+    if args.compile_only:
+        return
+    from numba import cuda
+
+    from executor.numba_cuda import attention_flash
+
+    module = Module(cubin)
+    module.function(KERNEL, SHARED_BYTES)
+    regs, local = module.attributes(KERNEL)
+    print(f"{KERNEL}: {regs} registers, {local} B local, {SHARED_BYTES} B shared")
+
+    def timed(f) -> float:
+        f()
+        times = []
+        for _ in range(5):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record()
+            f()
+            e1.record()
+            e1.synchronize()
+            times.append(cuda.event_elapsed_time(e0, e1))
+        return sorted(times)[2]
+
+    rng = np.random.default_rng(26)
+    d = 256
+    print("\n| model | rows at start | mma.sync walk ms | wgmma walk ms | speed-up | wgmma TFLOP/s | bits equal |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for model, rows, start in cases:
+        q_heads, kv_heads = HEADS[model]
+        capacity = -(-(start + rows) // 32) * 32
+        q = cuda.to_device((rng.standard_normal((rows, q_heads, d)) * 2).astype(np.float32))
+        qg = cuda.to_device(rng.standard_normal((rows, q_heads * 2 * d)).astype(np.float32))
+        kv = np.zeros((2, capacity, kv_heads, d), np.float32)  # keys past start + rows stay 0, as in the pool
+        kv[:, :start + rows] = rng.standard_normal((2, start + rows, kv_heads, d))
+        kc, vc = cuda.to_device(f32_to_bf16(kv[:1])), cuda.to_device(f32_to_bf16(kv[1:]))
+        ref = cuda.device_array((rows, q_heads * d), np.uint16)
+        out = cuda.device_array((rows, q_heads * d), np.uint16)
+        tiles = -(-rows * (q_heads // kv_heads) // (THREADS // 32 * 16))
+        t_ref = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=ref, warps=8, split=False))
+        t_new = timed(lambda: module.launch(KERNEL, (tiles, kv_heads), THREADS, SHARED_BYTES, q, qg, kc, vc, out,
+                                            rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)), wait=False))
+        cuda.synchronize()
+        a, b = ref.copy_to_host(), out.copy_to_host()
+        diff = int((a != b).sum())
+        flops = 4 * d * q_heads * (rows * start + rows * (rows + 1) // 2)
+        print(f"| {model} | {rows} at {start} | {t_ref:.3f} | {t_new:.3f} | {t_ref / t_new:.2f}x | "
+              f"{flops / t_new / 1e9:.0f} | {'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
+
+
+if __name__ == "__main__":
+    main()

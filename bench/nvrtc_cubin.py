@@ -1,0 +1,119 @@
+"""CUDA C++ compiled by NVRTC to a cubin for an arch-specific target (sm_90a: wgmma), loaded and
+launched through the CUDA driver in numba's context, for benchmarks of kernels that numba's
+`link=` cannot build (it compiles for the plain target, sm_90, which rejects wgmma).
+
+Needs cuda-bindings (numba-cuda's dependency) and a GPU; nothing here runs in CI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+
+def wgmma_function(name: str, n: int, a_registers: bool, transpose_b: bool) -> str:
+    """CUDA C++ of `void name(float (&d)[n / 2], A, unsigned long long b_desc)`: one
+    `wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16` adding A x B into d (scale-d 1).
+    A is `const u32* a` (the four bf16x2 registers of mma.sync's m16n8k16 A fragment, warp w of
+    the warpgroup holding rows 16w..16w+15) when a_registers, else `unsigned long long a_desc`
+    (a shared-memory descriptor, K-major); transpose_b: B is MN-major. d's layout is mma.sync's
+    m16n8 accumulator repeated over n / 8 column tiles (PTX ISA, "wgmma.mma_async", register
+    fragments). Raises ValueError for an n wgmma lacks (8 to 256, a multiple of 8)."""
+    if not (8 <= n <= 256 and n % 8 == 0):
+        raise ValueError(f"n must be a multiple of 8 in [8, 256], got {n}")
+    regs = n // 2
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    if a_registers:
+        a_arg, a_op = "const u32* a", f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}"
+        ins, b_op, tail = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc)', f"%{regs + 4}", f"{int(transpose_b)}"
+    else:
+        a_arg, a_op = "unsigned long long a_desc", f"%{regs}"
+        ins, b_op, tail = '"l"(a_desc), "l"(b_desc)', f"%{regs + 1}", f"0, {int(transpose_b)}"
+    return (f"__device__ __forceinline__ void {name}(float (&d)[{regs}], {a_arg}, unsigned long long b_desc) {{\n"
+            f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"\n'
+            f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, {a_op}, {b_op}, '
+            f'p, 1, 1, {tail};\\n}}\\n"\n'
+            f"                 : {cons}\n"
+            f"                 : {ins});\n}}\n")
+
+
+def compile_cubin(source: str, name: str, arch: str = "sm_90a") -> tuple[bytes, str]:
+    """(cubin, NVRTC log with ptxas -v: registers, spills, wgmma serialization notes) of `source`
+    for `arch`. Raises RuntimeError with the log when the compile fails."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    log = log.decode(errors="replace").rstrip("\x00 \n")
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC ({arch}): {err}\n{log[-4000:]}")
+    _, size = nvrtc.nvrtcGetCUBINSize(prog)
+    cubin = b" " * size
+    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    return cubin, log
+
+
+def check(result):
+    """The value(s) of a cuda.bindings driver call; RuntimeError naming the CUresult otherwise."""
+    from cuda.bindings import driver
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(str(err))
+    return rest[0] if len(rest) == 1 else rest
+
+
+class Module:
+    """A cubin loaded into numba's current context: `launch` runs a `extern "C" __global__`
+    kernel on the legacy default stream (numba's stream 0) and waits for it."""
+
+    def __init__(self, cubin: bytes):
+        from cuda.bindings import driver
+        from numba import cuda
+
+        cuda.current_context()  # numba's primary context, current on this thread
+        self._driver = driver
+        self._module = check(driver.cuModuleLoadData(cubin))
+        self._functions = {}
+
+    def function(self, name: str, shared_bytes: int = 0):
+        """The kernel `name`, its dynamic shared memory limit raised to shared_bytes."""
+        if name not in self._functions:
+            f = check(self._driver.cuModuleGetFunction(self._module, name.encode()))
+            if shared_bytes > 48 << 10:
+                attr = self._driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                check(self._driver.cuFuncSetAttribute(f, attr, shared_bytes))
+            self._functions[name] = f
+        return self._functions[name]
+
+    def attributes(self, name: str) -> tuple[int, int]:
+        """(registers a thread, local memory bytes a thread: spills) of kernel `name`."""
+        a = self._driver.CUfunction_attribute
+        f = self.function(name)
+        return (check(self._driver.cuFuncGetAttribute(a.CU_FUNC_ATTRIBUTE_NUM_REGS, f)),
+                check(self._driver.cuFuncGetAttribute(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f)))
+
+    def launch(self, name: str, grid: tuple[int, int], threads: int, shared_bytes: int, *args,
+               wait: bool = True) -> None:
+        """Launch `name` on grid (x, y) with `threads` a CTA; args: device arrays (passed as
+        pointers), Python ints (int32) or floats (float32). Raises RuntimeError on a launch or
+        (wait) execution error."""
+        values, types = [], []
+        for a in args:
+            if hasattr(a, "__cuda_array_interface__"):
+                values.append(a.__cuda_array_interface__["data"][0])
+                types.append(ctypes.c_void_p)
+            elif isinstance(a, float):
+                values.append(a)
+                types.append(ctypes.c_float)
+            else:
+                values.append(int(a))
+                types.append(ctypes.c_int)
+        check(self._driver.cuLaunchKernel(self.function(name, shared_bytes), grid[0], grid[1], 1, threads, 1, 1,
+                                          shared_bytes, 0, (tuple(values), tuple(types)), 0))
+        if wait:
+            check(self._driver.cuCtxSynchronize())

@@ -1,0 +1,52 @@
+"""The CPU side of the wgmma benchmarks (bench/nvrtc_cubin.py, bench/flash_wgmma.py): the
+generated wgmma functions' operand numbering and the case parser. The kernels run on the H200
+only (bench/RESULTS.md, session 26)."""
+
+import re
+
+import pytest
+
+from bench.flash_wgmma import parse_cases, source
+from bench.nvrtc_cubin import wgmma_function
+from bench.wgmma_probe import source as probe_source
+
+
+def test_a_register_a_wgmma_numbers_its_operands_after_the_accumulators():
+    text = wgmma_function("wgmma_s", 32, a_registers=True, transpose_b=False)
+    assert "void wgmma_s(float (&d)[16], const u32* a, unsigned long long b_desc)" in text
+    assert "m64n32k16.f32.bf16.bf16 {" + ", ".join(f"%{i}" for i in range(16)) + "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;" in text
+    assert text.count('"+f"(d[') == 16 and '"+f"(d[15])' in text and '"l"(b_desc)' in text
+
+
+def test_a_shared_a_wgmma_has_both_descriptors_and_both_transpose_flags():
+    text = wgmma_function("w", 256, a_registers=False, transpose_b=True)
+    assert "float (&d)[128], unsigned long long a_desc, unsigned long long b_desc" in text
+    assert "%127}, %128, %129, p, 1, 1, 0, 1;" in text and text.count('"+f"(d[') == 128
+
+
+@pytest.mark.parametrize("n", [0, 4, 12, 264])
+def test_an_n_wgmma_lacks_is_refused(n):
+    with pytest.raises(ValueError, match="multiple of 8"):
+        wgmma_function("w", n, True, False)
+
+
+def test_the_walk_source_is_the_production_kernel_then_the_experiment_with_its_functions():
+    text = source()
+    assert text.index("COMBINE_ENTRY(256, 32)") < text.index("flash_wgmma_walk_256")
+    assert "@WGMMA_FUNCTIONS@" not in text
+    assert len(re.findall(r"void wgmma_[so]\(", text)) == 2
+
+
+def test_cases_parse_and_bad_ones_name_the_item():
+    assert parse_cases("27b:51@1984,9b:8192@24576") == [("27b", 51, 1984), ("9b", 8192, 24576)]
+    with pytest.raises(ValueError, match="'2b:1@0'"):
+        parse_cases("2b:1@0")
+    with pytest.raises(ValueError, match="'9b:8192'"):
+        parse_cases("9b:8192")
+
+
+def test_the_probe_source_appends_its_kernels_and_functions_to_the_walks():
+    text = probe_source()
+    assert text.index("flash_wgmma_walk_256") < text.index("gemm_ss(")
+    assert "@WGMMA_FUNCTIONS@" not in text
+    assert len(re.findall(r"void wgmma_(ss|rs)_n\d+_t[01]\(", text)) == 5
