@@ -83,6 +83,36 @@ __device__ __forceinline__ void walk_blocks_wgmma(bf16_t* ring, const bf16_t* kb
     __syncthreads();
 }
 
+// A CTA's rows and key blocks (both walks): WARPS warps of 16 virtual rows, tile = the CTA's
+// index from the longest (gridDim.x - 1 - blockIdx.x), K/V head blockIdx.y; `empty` when the
+// tile starts past the chunk's virtual rows. As flash_prefill works them out.
+template <int WARPS, int BN>
+struct Tile {
+    int group, h, warp, lane, g, t, vrows, cta_first, blocks, warp_first, warp_blocks, unmasked;
+    int pos[2];
+    bool empty;
+    __device__ __forceinline__ Tile(int rows, int start, int q_heads, int kv_heads) {
+        group = q_heads / kv_heads;
+        h = blockIdx.y;
+        warp = threadIdx.x / 32;
+        lane = threadIdx.x % 32;
+        g = lane >> 2;
+        t = lane & 3;
+        vrows = rows * group;
+        cta_first = (gridDim.x - 1 - blockIdx.x) * WARPS * 16;
+        empty = cta_first >= vrows;
+        const int cta_last = min(cta_first + WARPS * 16, vrows) - 1;
+        blocks = (start + cta_last / group) / BN + 1;
+        warp_first = cta_first + warp * 16;
+        warp_blocks = warp_first < vrows ? (start + min(warp_first + 15, vrows - 1) / group) / BN + 1 : 0;
+        unmasked = warp_first < vrows ? (start + warp_first / group + 1) / BN : 0;
+        int vr[2], row[2], head[2];
+        row_pair(vr, row, head, warp_first, g, vrows, group, h);
+        pos[0] = start + row[0];
+        pos[1] = start + row[1];
+    }
+};
+
 template <int D, int BN, int STAGES>
 __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
                                          bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale) {
@@ -91,27 +121,16 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
     constexpr int BLOCK = BN * D;
     constexpr int PIECES = D / 8;
 
-    const int group = q_heads / kv_heads;
-    const int h = blockIdx.y;
-    const int tile = gridDim.x - 1 - blockIdx.x;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane >> 2, t = lane & 3;
-    const int vrows = rows * group;
-    const int cta_first = tile * WARPS * 16;
-    if (cta_first >= vrows) return;
-    const int cta_last = min(cta_first + WARPS * 16, vrows) - 1;
-    const int blocks = (start + cta_last / group) / BN + 1;
-    const int warp_first = cta_first + warp * 16;
-    const int warp_blocks = warp_first < vrows ? (start + min(warp_first + 15, vrows - 1) / group) / BN + 1 : 0;
-    const int unmasked = warp_first < vrows ? (start + warp_first / group + 1) / BN : 0;
+    const Tile<WARPS, BN> c(rows, start, q_heads, kv_heads);
+    if (c.empty) return;
+    const int group = c.group, h = c.h, warp = c.warp, lane = c.lane, g = c.g, t = c.t, vrows = c.vrows;
+    const int blocks = c.blocks, warp_first = c.warp_first, warp_blocks = c.warp_blocks, unmasked = c.unmasked;
+    const int pos[2] = {c.pos[0], c.pos[1]};
     const float scale2 = scale * 1.4426950408889634f;
-    int pos[2];
     u32 qf[D / 16][4];
     {
         int vr[2], row[2], head[2];
         row_pair(vr, row, head, warp_first, g, vrows, group, h);
-        pos[0] = start + row[0];
-        pos[1] = start + row[1];
         load_q<D>(qf, q, row, head, q_heads, t);
     }
     float acc[D / 8][4];
@@ -174,4 +193,123 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_walk_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out, int rows,
                   int start, int q_heads, int kv_heads, float scale) {
     flash_wgmma_walk<256, 32, 3>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+// The walk at 64 virtual rows a CTA (one warpgroup, 4 warps), Q in shared memory: S for two
+// blocks at once (the 64 keys of a pair, one N = 64 wgmma chain with Q and K both from shared
+// memory: the same bits per element as two N = 32 chains), then block by block as ever: the
+// first block's softmax and P V, the second block's probabilities while that P V runs, its
+// rescale once it is done, its P V. The ring holds 2 pairs (K and V of 64 keys each, core
+// layout); pair p + 1 is copied once every wgmma of pair p - 1 is done. A pair's second block
+// past the CTA's last is zeros, walked masked (the same bits as not walking it). Shared memory:
+// Q 32 KB, ring 128 KB, the 4 warps' running outputs 64 KB.
+template <int D>
+__device__ __forceinline__ void flash_wgmma_pairs(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
+                                                  bf16_t* out, int rows, int start, int q_heads, int kv_heads,
+                                                  float scale) {
+    constexpr int WARPS = 4, THREADS = WARPS * 32, BN = 32, PAIR = 2 * BN, PIECES = D / 8;
+    constexpr int QTILE = 64 * D, KV = PAIR * D;  // elements
+    constexpr int SEG_PAIRS = SEG_BLOCKS / 2;
+    const Tile<WARPS, BN> c(rows, start, q_heads, kv_heads);
+    if (c.empty) return;
+    const int group = c.group, h = c.h, warp = c.warp, lane = c.lane, g = c.g, t = c.t, vrows = c.vrows;
+    const int blocks = c.blocks, warp_first = c.warp_first, warp_blocks = c.warp_blocks, unmasked = c.unmasked;
+    const int cta_first = c.cta_first, pairs = (blocks + 1) / 2;
+    const int pos[2] = {c.pos[0], c.pos[1]};
+    const float scale2 = scale * 1.4426950408889634f;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    bf16_t* sq = reinterpret_cast<bf16_t*>(smem_bytes);
+    bf16_t* ring = sq + QTILE;  // 2 x (K pair, V pair)
+    const size_t row_stride = (size_t)kv_heads * D;
+    const bf16_t* kbase = kc + (size_t)h * D;
+    const bf16_t* vbase = vc + (size_t)h * D;
+    auto load_pair = [&](int p) {  // blocks 2p and 2p + 1 into stage p % 2 (zeros for one past the last)
+        bf16_t* k = ring + (p % 2) * 2 * KV;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (2 * p + j < blocks) {
+                load_block_core<D, BN, THREADS>(k + j * BN * D, kbase, row_stride, 2 * p + j);
+                load_block_core<D, BN, THREADS>(k + KV + j * BN * D, vbase, row_stride, 2 * p + j);
+            } else {
+                for (int c = threadIdx.x; c < BN * D / 8; c += THREADS) {
+                    reinterpret_cast<uint4*>(k + j * BN * D)[c] = make_uint4(0, 0, 0, 0);
+                    reinterpret_cast<uint4*>(k + KV + j * BN * D)[c] = make_uint4(0, 0, 0, 0);
+                }
+            }
+        }
+        commit();
+    };
+    load_pair(0);
+    // Q: bf16 of the f32 rows (load_q's rounding), core layout, K-major: virtual row v (clamped to
+    // the last, as row_pair does), dims d at ((v / 8) * PIECES + d / 8) * 64 + (v % 8) * 8 + d % 8
+    for (int i = threadIdx.x; i < 64 * D / 2; i += THREADS) {
+        const int vl = i / (D / 2), d = 2 * (i % (D / 2));
+        const int v = min(cta_first + vl, vrows - 1);
+        const float2 x = *reinterpret_cast<const float2*>(q + ((size_t)(v / group) * q_heads + h * group + v % group) * D + d);
+        *reinterpret_cast<u32*>(sq + ((vl / 8) * PIECES + d / 8) * 64 + (vl % 8) * 8 + d % 8) = pack2(x.x, x.y);
+    }
+    float acc[D / 8][4];
+    float m[2], l[2];
+    auto reset = [&]() {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        m[0] = m[1] = NEG_INF;
+        l[0] = l[1] = 0.0f;
+    };
+    float4* total = zeroed_total<D>(ring + 4 * KV, warp, lane);
+    float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
+    reset();
+    auto values = [&](const u32 (&pf)[BN / 16][4], u32 v_addr) {
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < BN / 16; ++k)
+            wgmma_o(reinterpret_cast<float(&)[D / 2]>(acc), pf[k], wg_desc(v_addr + k * 2 * PIECES * 128, PIECES * 128, 128));
+        wg_commit();
+    };
+    for (int p0 = 0; p0 < pairs; p0 += SEG_PAIRS) {  // a segment: SEG_PAIRS pairs
+        const int p1 = min(p0 + SEG_PAIRS, pairs);
+        for (int p = p0; p < p1; ++p) {
+            wait_groups<0>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();  // pair p (and at p = 0 Q) is in for every thread
+            const u32 k_addr = smem_addr(ring + (p % 2) * 2 * KV), v_addr = k_addr + 2u * KV;
+            float s[PAIR / 8][4];
+#pragma unroll
+            for (int n = 0; n < PAIR / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            wg_fence();
+#pragma unroll
+            for (int k = 0; k < D / 16; ++k)
+                wgmma_s64(reinterpret_cast<float(&)[PAIR / 2]>(s), wg_desc(smem_addr(sq) + k * 256, 128, PIECES * 128),
+                          wg_desc(k_addr + k * 256, 128, PIECES * 128));
+            wg_commit();
+            wg_wait0();  // S of the pair, and the last P V of pair p - 1: its stage is free
+            wg_keep<PAIR / 2>(&s[0][0]);
+            wg_keep<D / 2>(&acc[0][0]);
+            if (p + 1 < pairs) load_pair(p + 1);
+            float alpha[2];
+            u32 pf[BN / 16][4];
+            block_probs<BN>(pf, alpha, reinterpret_cast<float(&)[BN / 8][4]>(s[0]), m, l, pos, 2 * p, 2 * p >= unmasked,
+                            scale2, t);
+            rescale<D>(acc, alpha);
+            values(pf, v_addr);
+            u32 pf1[BN / 16][4];
+            block_probs<BN>(pf1, alpha, reinterpret_cast<float(&)[BN / 8][4]>(s[BN / 8]), m, l, pos, 2 * p + 1,
+                            2 * p + 1 >= unmasked, scale2, t);  // while the first block's P V runs
+            wg_wait0();
+            wg_keep<D / 2>(&acc[0][0]);
+            rescale<D>(acc, alpha);
+            values(pf1, v_addr + 2u * BN * D);  // the pair's second block: 4 key groups on
+        }
+        wg_wait0();
+        wg_keep<D / 2>(&acc[0][0]);
+        if (p0 * 2 < warp_blocks) fold_into_total<D>(total, M, L, acc, m, l);
+        reset();
+    }
+    write_gated<D>(out, qg, total, L, warp_first, g, t, vrows, group, h, q_heads);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+    flash_wgmma_pairs_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out, int rows,
+                          int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_pairs<256>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
 }

@@ -1,4 +1,5 @@
-"""The wgmma walk (bench/flash_wgmma.cu, an experiment the backend does not use) against the
+"""The wgmma walks (bench/flash_wgmma.cu, experiments the backend does not use: `walk`, 8 warps
+and Q in registers; `pairs`, 4 warps, Q in shared memory, S for two key blocks at once) against the
 production flash attention walk (`attention_flash.prefill`, mma.sync, 8 warps, not split) on
 the same inputs: every output bit compared, CUDA-event ms (median of 5) and TFLOP/s (causal:
 4 x head_dim x q_heads x the keys each row sees). Issue 5: the 9B 32K TTFT needs attention at
@@ -21,16 +22,20 @@ SOURCE = Path(__file__).with_name("flash_wgmma.cu")
 PRODUCTION = Path(__file__).parent.parent / "executor" / "numba_cuda" / "flash_attention.cu"
 HEADS = {"27b": (24, 4), "9b": (16, 4)}
 """(q_heads, kv_heads) of each model's attention layers (head_dim 256)."""
-DEFAULT_CASES = "27b:51@1984,27b:2000@0,9b:4096@0,9b:8192@24576"
-KERNEL = "flash_wgmma_walk_256"
-THREADS = 256
-SHARED_BYTES = 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4
-"""A ring of 3 (K, V) blocks of 32 keys x 256 dims bf16, and 8 warps' running outputs (f32)."""
+DEFAULT_CASES = "27b:51@1984,27b:2000@0,9b:4096@0,9b:8192@0,9b:8192@24576"
+KERNELS = {
+    "walk": ("flash_wgmma_walk_256", 256, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "pairs": ("flash_wgmma_pairs_256", 128, 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 4 * 16 * 256 * 4),
+}
+"""name -> (kernel, threads a CTA (16 virtual rows a warp), dynamic shared bytes). walk: 8 warps,
+a ring of 3 (K, V) blocks of 32 keys, 8 warps' running outputs (f32); pairs: 4 warps, Q (bf16),
+a ring of 2 (K, V) pairs of 64 keys, 4 warps' running outputs."""
 
 
 def source() -> str:
     """flash_attention.cu's text, then flash_wgmma.cu's with its two wgmma functions generated in."""
-    fns = wgmma_function("wgmma_s", 32, True, False) + wgmma_function("wgmma_o", 256, True, True)
+    fns = (wgmma_function("wgmma_s", 32, True, False) + wgmma_function("wgmma_o", 256, True, True)
+           + wgmma_function("wgmma_s64", 64, False, False))
     return PRODUCTION.read_text() + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", fns)
 
 
@@ -55,11 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"MODEL:ROWS@START, comma-separated ({DEFAULT_CASES})")
     parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
     args = parser.parse_args(argv)
-    cases = parse_cases(args.cases)
+    try:
+        cases = parse_cases(args.cases)
+    except ValueError as e:
+        parser.error(str(e))
     cubin, log = compile_cubin(source(), "flash_wgmma.cu")
     lines = log.splitlines()
-    print("\n".join(x for i, x in enumerate(lines) if "C75" in x or (KERNEL in x and "Compiling" in x)
-                    or (i >= 2 and KERNEL in lines[i - 2]) or (i >= 3 and KERNEL in lines[i - 3])))
+    print("\n".join(x for x in lines if "C75" in x or "Compiling" in x or "Used" in x or "spill" in x))
     if args.compile_only:
         return
     from numba import cuda
@@ -67,9 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     from executor.numba_cuda import attention_flash
 
     module = Module(cubin)
-    module.function(KERNEL, SHARED_BYTES)
-    regs, local = module.attributes(KERNEL)
-    print(f"{KERNEL}: {regs} registers, {local} B local, {SHARED_BYTES} B shared")
+    for kernel, threads, shared in KERNELS.values():
+        module.function(kernel, shared)
+        regs, local = module.attributes(kernel)
+        print(f"{kernel}: {regs} registers, {local} B local, {shared} B shared, {threads} threads")
 
     def timed(f) -> float:
         f()
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rng = np.random.default_rng(26)
     d = 256
-    print("\n| model | rows at start | mma.sync walk ms | wgmma walk ms | speed-up | wgmma TFLOP/s | bits equal |")
+    print("\n| model | rows at start | kernel | ms | speed-up | TFLOP/s | bits equal to production |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for model, rows, start in cases:
         q_heads, kv_heads = HEADS[model]
@@ -96,18 +104,19 @@ def main(argv: list[str] | None = None) -> None:
         kv[:, :start + rows] = rng.standard_normal((2, start + rows, kv_heads, d))
         kc, vc = cuda.to_device(f32_to_bf16(kv[:1])), cuda.to_device(f32_to_bf16(kv[1:]))
         ref = cuda.device_array((rows, q_heads * d), np.uint16)
-        out = cuda.device_array((rows, q_heads * d), np.uint16)
-        tiles = -(-rows * (q_heads // kv_heads) // (THREADS // 32 * 16))
-        t_ref = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=ref, warps=8, split=False))
-        t_new = timed(lambda: module.launch(KERNEL, (tiles, kv_heads), THREADS, SHARED_BYTES, q, qg, kc, vc, out,
-                                            rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)), wait=False))
-        cuda.synchronize()
-        a, b = ref.copy_to_host(), out.copy_to_host()
-        diff = int((a != b).sum())
         flops = 4 * d * q_heads * (rows * start + rows * (rows + 1) // 2)
-        print(f"| {model} | {rows} at {start} | {t_ref:.3f} | {t_new:.3f} | {t_ref / t_new:.2f}x | "
-              f"{flops / t_new / 1e9:.0f} | {'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
-
+        t_ref = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=ref, warps=8, split=False))
+        a = ref.copy_to_host()
+        print(f"| {model} | {rows} at {start} | production (mma.sync) | {t_ref:.3f} | 1 | {flops / t_ref / 1e9:.0f} | |")
+        for label, (kernel, threads, shared) in KERNELS.items():
+            out = cuda.device_array((rows, q_heads * d), np.uint16)
+            tiles = -(-rows * (q_heads // kv_heads) // (threads // 32 * 16))
+            args = (q, qg, kc, vc, out, rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)))
+            t_new = timed(lambda: module.launch(kernel, (tiles, kv_heads), threads, shared, *args, wait=False))
+            cuda.synchronize()
+            diff = int((a != out.copy_to_host()).sum())
+            print(f"| {model} | {rows} at {start} | wgmma {label} | {t_new:.3f} | {t_ref / t_new:.2f}x | "
+                  f"{flops / t_new / 1e9:.0f} | {'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
 
 if __name__ == "__main__":
     main()

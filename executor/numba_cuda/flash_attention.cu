@@ -174,14 +174,13 @@ __device__ __forceinline__ void block_scores(float (&s)[BN / 8][4], const u32 (&
     }
 }
 
-// The online softmax over block b: scale and mask S, move m, l and O's scale, and give
-// P as bf16 A fragments.
-template <int D, int BN>
-__device__ __forceinline__ void block_softmax(u32 (&pf)[BN / 16][4], float (&s)[BN / 8][4], float (&m)[2],
-                                              float (&l)[2], float (&acc)[D / 8][4], const int* pos, int b,
-                                              bool masked, float scale2, int t) {
+// The online softmax over block b: scale and mask S, move m and l, give P as bf16 A fragments
+// and O's scale alpha (O itself is not touched: `rescale`).
+template <int BN>
+__device__ __forceinline__ void block_probs(u32 (&pf)[BN / 16][4], float (&alpha)[2], float (&s)[BN / 8][4],
+                                            float (&m)[2], float (&l)[2], const int* pos, int b, bool masked,
+                                            float scale2, int t) {
     constexpr int ST = BN / 8;
-    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float top = NEG_INF;
@@ -215,7 +214,11 @@ __device__ __forceinline__ void block_softmax(u32 (&pf)[BN / 16][4], float (&s)[
         }
         l[r] = __fadd_rn(__fmul_rn(l[r], alpha[r]), total);
     }
-    // O *= alpha, skipped when every row of the warp kept its max (alpha = 1: the same bits)
+}
+
+// O *= alpha, skipped when every row of the warp kept its max (alpha = 1: the same bits).
+template <int D>
+__device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
@@ -225,6 +228,16 @@ __device__ __forceinline__ void block_softmax(u32 (&pf)[BN / 16][4], float (&s)[
             acc[n][3] *= alpha[1];
         }
     }
+}
+
+// The online softmax over block b: `block_probs`, then O's `rescale`.
+template <int D, int BN>
+__device__ __forceinline__ void block_softmax(u32 (&pf)[BN / 16][4], float (&s)[BN / 8][4], float (&m)[2],
+                                              float (&l)[2], float (&acc)[D / 8][4], const int* pos, int b,
+                                              bool masked, float scale2, int t) {
+    float alpha[2];
+    block_probs<BN>(pf, alpha, s, m, l, pos, b, masked, scale2, t);
+    rescale<D>(acc, alpha);
 }
 
 // O += P V_b for the block in shared memory at v_lane.
