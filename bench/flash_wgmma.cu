@@ -1,6 +1,8 @@
-// An experiment the backend does not use (issue 5; bench/flash_wgmma.py runs it): the walk of
-// flash_attention.cu (`flash_prefill<256, 8, 32, 3, false>`: one CTA walks every key segment,
-// folding as it goes) with its two products on wgmma (sm_90a) instead of mma.sync:
+// Experiments the backend does not use (issue 5; bench/flash_wgmma.py runs them): three walks,
+// `flash_wgmma_walk`, `flash_wgmma_pairs` and `flash_wgmma_halves` (each described where it is
+// defined). The first is flash_attention.cu's walk (`flash_prefill<256, 8, 32, 3, false>`: one
+// CTA walks every key segment, folding as it goes) with its two products on wgmma (sm_90a)
+// instead of mma.sync:
 //   S = Q K_b^T   wgmma m64n32k16, Q from registers (the same A fragments as load_q),
 //                 K_b from shared memory, K-major;
 //   O += P V_b    wgmma m64n256k16, P from registers (block_softmax's fragments),
@@ -83,9 +85,10 @@ __device__ __forceinline__ void walk_blocks_wgmma(bf16_t* ring, const bf16_t* kb
     __syncthreads();
 }
 
-// A CTA's rows and key blocks (both walks): WARPS warps of 16 virtual rows, tile = the CTA's
-// index from the longest (gridDim.x - 1 - blockIdx.x), K/V head blockIdx.y; `empty` when the
-// tile starts past the chunk's virtual rows. As flash_prefill works them out.
+// A CTA's rows and key blocks (every walk here): WARPS row groups of 16 virtual rows (warp w
+// takes group w % WARPS), tile = the CTA's index from the longest (gridDim.x - 1 - blockIdx.x),
+// K/V head blockIdx.y; `empty` when the tile starts past the chunk's virtual rows. As
+// flash_prefill works them out.
 template <int WARPS, int BN>
 struct Tile {
     int group, h, warp, lane, g, t, vrows, cta_first, blocks, warp_first, warp_blocks, unmasked;
@@ -94,7 +97,7 @@ struct Tile {
     __device__ __forceinline__ Tile(int rows, int start, int q_heads, int kv_heads) {
         group = q_heads / kv_heads;
         h = blockIdx.y;
-        warp = threadIdx.x / 32;
+        warp = threadIdx.x / 32 % WARPS;
         lane = threadIdx.x % 32;
         g = lane >> 2;
         t = lane & 3;
@@ -195,6 +198,80 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_walk<256, 32, 3>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
 }
 
+// K and V of keys [64 p, 64 p + 64) (blocks 2p and 2p + 1 of BN = 32 keys) of one K/V head into
+// `stage` (K pair, then V pair, core layout), one copy group; a block at or past `blocks` is
+// zeros (st.shared: a fence.proxy.async before the wgmmas read it, as for the copies).
+template <int D, int THREADS>
+__device__ __forceinline__ void load_pair_core(bf16_t* stage, const bf16_t* kbase, const bf16_t* vbase,
+                                               size_t row_stride, int p, int blocks) {
+    constexpr int BN = 32, KV = 2 * BN * D;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        if (2 * p + j < blocks) {
+            load_block_core<D, BN, THREADS>(stage + j * BN * D, kbase, row_stride, 2 * p + j);
+            load_block_core<D, BN, THREADS>(stage + KV + j * BN * D, vbase, row_stride, 2 * p + j);
+        } else {
+            for (int i = threadIdx.x; i < BN * D / 8; i += THREADS) {
+                reinterpret_cast<uint4*>(stage + j * BN * D)[i] = make_uint4(0, 0, 0, 0);
+                reinterpret_cast<uint4*>(stage + KV + j * BN * D)[i] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    }
+    commit();
+}
+
+// Q of the CTA's 64 virtual rows into `sq`: bf16 of the f32 rows (load_q's rounding), core
+// layout, K-major: virtual row v (clamped to the last, as row_pair does), dims d at
+// ((v / 8) * (D / 8) + d / 8) * 64 + (v % 8) * 8 + d % 8.
+template <int D, int THREADS>
+__device__ __forceinline__ void store_q_core(bf16_t* sq, const float* q, int cta_first, int vrows, int group, int h,
+                                             int q_heads) {
+    for (int i = threadIdx.x; i < 64 * D / 2; i += THREADS) {
+        const int vl = i / (D / 2), d = 2 * (i % (D / 2));
+        const int v = min(cta_first + vl, vrows - 1);
+        const float2 x = *reinterpret_cast<const float2*>(q + ((size_t)(v / group) * q_heads + h * group + v % group) * D + d);
+        *reinterpret_cast<u32*>(sq + ((vl / 8) * (D / 8) + d / 8) * 64 + (vl % 8) * 8 + d % 8) = pack2(x.x, x.y);
+    }
+}
+
+// One 64-key pair for a warpgroup (pairs, halves): S of both blocks (one N = 64 chain, Q and K
+// from shared memory), wait (S and the warpgroup's last P V), `after_s()` (the caller's barrier
+// and next copy), then block 2p's softmax, rescale and P V, block 2p + 1's probabilities while
+// that P V runs, its rescale once it is done, its P V. acc: the warpgroup's O columns (W of
+// them); values(pf, v_addr) issues P V for one block from that block's V.
+template <int D, int W, typename AfterS, typename Values>
+__device__ __forceinline__ void pair_step(float (&acc)[W / 8][4], float (&m)[2], float (&l)[2], const int (&pos)[2],
+                                          int p, int unmasked, float scale2, int t, u32 q_addr, u32 k_addr,
+                                          u32 v_addr, AfterS after_s, Values values) {
+    constexpr int BN = 32, PAIR = 2 * BN, PIECES = D / 8;
+    float s[PAIR / 8][4];
+#pragma unroll
+    for (int n = 0; n < PAIR / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+        wgmma_s64(reinterpret_cast<float(&)[PAIR / 2]>(s), wg_desc(q_addr + k * 256, 128, PIECES * 128),
+                  wg_desc(k_addr + k * 256, 128, PIECES * 128));
+    wg_commit();
+    wg_wait0();
+    wg_keep<PAIR / 2>(&s[0][0]);
+    wg_keep<W / 2>(&acc[0][0]);
+    after_s();
+    float alpha[2];
+    u32 pf[BN / 16][4];
+    block_probs<BN>(pf, alpha, reinterpret_cast<float(&)[BN / 8][4]>(s[0]), m, l, pos, 2 * p, 2 * p >= unmasked,
+                    scale2, t);
+    rescale<W>(acc, alpha);
+    values(pf, v_addr);
+    u32 pf1[BN / 16][4];
+    block_probs<BN>(pf1, alpha, reinterpret_cast<float(&)[BN / 8][4]>(s[BN / 8]), m, l, pos, 2 * p + 1,
+                    2 * p + 1 >= unmasked, scale2, t);
+    wg_wait0();
+    wg_keep<W / 2>(&acc[0][0]);
+    rescale<W>(acc, alpha);
+    values(pf1, v_addr + 2u * BN * D);  // the pair's second block: 4 key groups on
+}
+
 // The walk at 64 virtual rows a CTA (one warpgroup, 4 warps), Q in shared memory: S for two
 // blocks at once (the 64 keys of a pair, one N = 64 wgmma chain with Q and K both from shared
 // memory: the same bits per element as two N = 32 chains), then block by block as ever: the
@@ -223,31 +300,11 @@ __device__ __forceinline__ void flash_wgmma_pairs(const float* q, const float* q
     const size_t row_stride = (size_t)kv_heads * D;
     const bf16_t* kbase = kc + (size_t)h * D;
     const bf16_t* vbase = vc + (size_t)h * D;
-    auto load_pair = [&](int p) {  // blocks 2p and 2p + 1 into stage p % 2 (zeros for one past the last)
-        bf16_t* k = ring + (p % 2) * 2 * KV;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            if (2 * p + j < blocks) {
-                load_block_core<D, BN, THREADS>(k + j * BN * D, kbase, row_stride, 2 * p + j);
-                load_block_core<D, BN, THREADS>(k + KV + j * BN * D, vbase, row_stride, 2 * p + j);
-            } else {
-                for (int c = threadIdx.x; c < BN * D / 8; c += THREADS) {
-                    reinterpret_cast<uint4*>(k + j * BN * D)[c] = make_uint4(0, 0, 0, 0);
-                    reinterpret_cast<uint4*>(k + KV + j * BN * D)[c] = make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
-        commit();
+    auto load_pair = [&](int p) {
+        load_pair_core<D, THREADS>(ring + (p % 2) * 2 * KV, kbase, vbase, row_stride, p, blocks);
     };
     load_pair(0);
-    // Q: bf16 of the f32 rows (load_q's rounding), core layout, K-major: virtual row v (clamped to
-    // the last, as row_pair does), dims d at ((v / 8) * PIECES + d / 8) * 64 + (v % 8) * 8 + d % 8
-    for (int i = threadIdx.x; i < 64 * D / 2; i += THREADS) {
-        const int vl = i / (D / 2), d = 2 * (i % (D / 2));
-        const int v = min(cta_first + vl, vrows - 1);
-        const float2 x = *reinterpret_cast<const float2*>(q + ((size_t)(v / group) * q_heads + h * group + v % group) * D + d);
-        *reinterpret_cast<u32*>(sq + ((vl / 8) * PIECES + d / 8) * 64 + (vl % 8) * 8 + d % 8) = pack2(x.x, x.y);
-    }
+    store_q_core<D, THREADS>(sq, q, cta_first, vrows, group, h, q_heads);
     float acc[D / 8][4];
     float m[2], l[2];
     auto reset = [&]() {
@@ -272,33 +329,11 @@ __device__ __forceinline__ void flash_wgmma_pairs(const float* q, const float* q
             wait_groups<0>();
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             __syncthreads();  // pair p (and at p = 0 Q) is in for every thread
-            const u32 k_addr = smem_addr(ring + (p % 2) * 2 * KV), v_addr = k_addr + 2u * KV;
-            float s[PAIR / 8][4];
-#pragma unroll
-            for (int n = 0; n < PAIR / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            wg_fence();
-#pragma unroll
-            for (int k = 0; k < D / 16; ++k)
-                wgmma_s64(reinterpret_cast<float(&)[PAIR / 2]>(s), wg_desc(smem_addr(sq) + k * 256, 128, PIECES * 128),
-                          wg_desc(k_addr + k * 256, 128, PIECES * 128));
-            wg_commit();
-            wg_wait0();  // S of the pair, and the last P V of pair p - 1: its stage is free
-            wg_keep<PAIR / 2>(&s[0][0]);
-            wg_keep<D / 2>(&acc[0][0]);
-            if (p + 1 < pairs) load_pair(p + 1);
-            float alpha[2];
-            u32 pf[BN / 16][4];
-            block_probs<BN>(pf, alpha, reinterpret_cast<float(&)[BN / 8][4]>(s[0]), m, l, pos, 2 * p, 2 * p >= unmasked,
-                            scale2, t);
-            rescale<D>(acc, alpha);
-            values(pf, v_addr);
-            u32 pf1[BN / 16][4];
-            block_probs<BN>(pf1, alpha, reinterpret_cast<float(&)[BN / 8][4]>(s[BN / 8]), m, l, pos, 2 * p + 1,
-                            2 * p + 1 >= unmasked, scale2, t);  // while the first block's P V runs
-            wg_wait0();
-            wg_keep<D / 2>(&acc[0][0]);
-            rescale<D>(acc, alpha);
-            values(pf1, v_addr + 2u * BN * D);  // the pair's second block: 4 key groups on
+            const u32 k_addr = smem_addr(ring + (p % 2) * 2 * KV);
+            pair_step<D, D>(acc, m, l, pos, p, unmasked, scale2, t, smem_addr(sq), k_addr, k_addr + 2u * KV,
+                            [&]() {  // every wgmma of pair p - 1 is done: its stage is free
+                                if (p + 1 < pairs) load_pair(p + 1);
+                            }, values);
         }
         wg_wait0();
         wg_keep<D / 2>(&acc[0][0]);
@@ -312,4 +347,103 @@ extern "C" __global__ void __launch_bounds__(128, 1)
     flash_wgmma_pairs_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out, int rows,
                           int start, int q_heads, int kv_heads, float scale) {
     flash_wgmma_pairs<256>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+// The walk at 64 virtual rows a CTA with head_dim split between two warpgroups: warpgroup j
+// computes S for all 64 rows itself (the same chain as `pairs`, Q and K from shared memory) and
+// the softmax (the same inputs and code: the same m, l and P in both), and O, P V and the
+// segment fold for dims [128 j, 128 j + 128) only (m64n128 accumulators: 64 registers a
+// thread), so the running output stays in registers (64 more) and shared memory holds Q
+// (32 KB) and a ring of 3 K/V pairs (192 KB). S is computed twice (1.5x the products) so that
+// two warpgroups an SM take turns on the tensor cores. Every element's arithmetic is the
+// production kernel's: an output column's bits do not depend on the columns beside it.
+template <int D>
+__device__ __forceinline__ void flash_wgmma_halves(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
+                                                   bf16_t* out, int rows, int start, int q_heads, int kv_heads,
+                                                   float scale) {
+    constexpr int ROWGROUPS = 4, THREADS = 256, BN = 32, PAIR = 2 * BN, PIECES = D / 8, HALF = D / 2;
+    constexpr int STAGES = 3, QTILE = 64 * D, KV = PAIR * D;  // elements
+    constexpr int SEG_PAIRS = SEG_BLOCKS / 2;
+    const Tile<ROWGROUPS, BN> c(rows, start, q_heads, kv_heads);
+    if (c.empty) return;
+    const int group = c.group, h = c.h, g = c.g, t = c.t, vrows = c.vrows;
+    const int blocks = c.blocks, warp_first = c.warp_first, warp_blocks = c.warp_blocks, unmasked = c.unmasked;
+    const int cta_first = c.cta_first, pairs = (blocks + 1) / 2;
+    const int pos[2] = {c.pos[0], c.pos[1]};
+    const int half = threadIdx.x / 128;  // the warpgroup: its dims [half * HALF, +HALF)
+    const float scale2 = scale * 1.4426950408889634f;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    bf16_t* sq = reinterpret_cast<bf16_t*>(smem_bytes);
+    bf16_t* ring = sq + QTILE;  // STAGES x (K pair, V pair)
+    const size_t row_stride = (size_t)kv_heads * D;
+    const bf16_t* kbase = kc + (size_t)h * D;
+    const bf16_t* vbase = vc + (size_t)h * D;
+    auto load_pair = [&](int p) {  // an empty copy group past the last pair
+        if (p < pairs) {
+            load_pair_core<D, THREADS>(ring + (p % STAGES) * 2 * KV, kbase, vbase, row_stride, p, blocks);
+        } else {
+            commit();
+        }
+    };
+    for (int p = 0; p < STAGES - 1; ++p) load_pair(p);
+    store_q_core<D, THREADS>(sq, q, cta_first, vrows, group, h, q_heads);
+    float acc[HALF / 8][4], total[HALF / 8][4];
+    float m[2], l[2];
+    auto reset = [&]() {
+#pragma unroll
+        for (int n = 0; n < HALF / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        m[0] = m[1] = NEG_INF;
+        l[0] = l[1] = 0.0f;
+    };
+#pragma unroll
+    for (int n = 0; n < HALF / 8; ++n) total[n][0] = total[n][1] = total[n][2] = total[n][3] = 0.0f;
+    float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
+    reset();
+    auto values = [&](const u32 (&pf)[BN / 16][4], u32 v_addr) {  // this warpgroup's dims
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < BN / 16; ++k)
+            wgmma_o128(reinterpret_cast<float(&)[HALF / 2]>(acc), pf[k],
+                       wg_desc(v_addr + 2u * half * HALF * 8 + k * 2 * PIECES * 128, PIECES * 128, 128));
+        wg_commit();
+    };
+    for (int p0 = 0; p0 < pairs; p0 += SEG_PAIRS) {
+        const int p1 = min(p0 + SEG_PAIRS, pairs);
+        for (int p = p0; p < p1; ++p) {
+            wait_groups<STAGES - 2>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();  // pair p (and at p = 0 Q) is in for every thread
+            const u32 k_addr = smem_addr(ring + (p % STAGES) * 2 * KV);
+            pair_step<D, HALF>(acc, m, l, pos, p, unmasked, scale2, t, smem_addr(sq), k_addr, k_addr + 2u * KV,
+                               [&]() {
+                                   __syncthreads();  // both warpgroups are done with pair p - 1: its stage is free
+                                   load_pair(p + STAGES - 1);
+                               }, values);
+        }
+        wg_wait0();
+        wg_keep<HALF / 2>(&acc[0][0]);
+        if (p0 * 2 < warp_blocks) {  // fold_into_total's operations, the total in registers
+            float c1[2], c2[2];
+            fold_rows(c1, c2, M, L, m, l);
+#pragma unroll
+            for (int n = 0; n < HALF / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) total[n][e] = fold(total[n][e], acc[n][e], c1[e / 2], c2[e / 2]);
+        }
+        reset();
+    }
+    wait_groups<0>();
+    __syncthreads();  // the ring is free: each row group's total, both halves, as write_gated reads it
+    float4* full = reinterpret_cast<float4*>(ring) + c.warp * (D / 8) * 32 + c.lane;
+#pragma unroll
+    for (int n = 0; n < HALF / 8; ++n)
+        full[(half * HALF / 8 + n) * 32] = make_float4(total[n][0], total[n][1], total[n][2], total[n][3]);
+    __syncthreads();
+    if (half == 0) write_gated<D>(out, qg, full, L, warp_first, g, t, vrows, group, h, q_heads);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_halves_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out, int rows,
+                           int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_halves<256>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
 }

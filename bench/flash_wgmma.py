@@ -1,9 +1,10 @@
-"""The wgmma walks (bench/flash_wgmma.cu, experiments the backend does not use: `walk`, 8 warps
-and Q in registers; `pairs`, 4 warps, Q in shared memory, S for two key blocks at once) against the
-production flash attention walk (`attention_flash.prefill`, mma.sync, 8 warps, not split) on
-the same inputs: every output bit compared, CUDA-event ms (median of 5) and TFLOP/s (causal:
-4 x head_dim x q_heads x the keys each row sees). Issue 5: the 9B 32K TTFT needs attention at
-about twice its speed; bench/RESULTS.md, session 26, has the table and where the time goes.
+"""The wgmma walks of bench/flash_wgmma.cu (experiments the backend does not use: `walk`, 8 warps,
+Q in registers; `pairs`, 4 warps, Q in shared memory, S for two key blocks at once; `halves`, two
+warpgroups splitting head_dim on the same 64 rows) against the production flash attention walk
+(`attention_flash.prefill`, mma.sync, 8 warps, not split) on the same inputs: every output bit
+compared, CUDA-event ms (median of 5) and TFLOP/s (causal: 4 x head_dim x q_heads x the keys each
+row sees). Issue 5: the 9B 32K TTFT needs attention at about twice its speed; bench/RESULTS.md,
+session 26, has the tables and why none of the three is faster at long chunks yet.
 
 Usage (H200): python -m bench.flash_wgmma [--cases 27b:51@1984,9b:8192@24576] [--compile-only]
 """
@@ -24,18 +25,20 @@ HEADS = {"27b": (24, 4), "9b": (16, 4)}
 """(q_heads, kv_heads) of each model's attention layers (head_dim 256)."""
 DEFAULT_CASES = "27b:51@1984,27b:2000@0,9b:4096@0,9b:8192@0,9b:8192@24576"
 KERNELS = {
-    "walk": ("flash_wgmma_walk_256", 256, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
-    "pairs": ("flash_wgmma_pairs_256", 128, 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 4 * 16 * 256 * 4),
+    "walk": ("flash_wgmma_walk_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "pairs": ("flash_wgmma_pairs_256", 128, 64, 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 4 * 16 * 256 * 4),
+    "halves": ("flash_wgmma_halves_256", 256, 64, 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2),
 }
-"""name -> (kernel, threads a CTA (16 virtual rows a warp), dynamic shared bytes). walk: 8 warps,
-a ring of 3 (K, V) blocks of 32 keys, 8 warps' running outputs (f32); pairs: 4 warps, Q (bf16),
-a ring of 2 (K, V) pairs of 64 keys, 4 warps' running outputs."""
+"""name -> (kernel, threads a CTA, virtual rows a CTA, dynamic shared bytes). walk: 8 warps of 16
+rows, a ring of 3 (K, V) blocks of 32 keys, 8 warps' running outputs (f32); pairs: 4 warps, Q
+(bf16), a ring of 2 (K, V) pairs of 64 keys, 4 warps' running outputs; halves: 2 warpgroups on the
+same 64 rows (head_dim split), Q, a ring of 3 pairs."""
 
 
 def source() -> str:
     """flash_attention.cu's text, then flash_wgmma.cu's with its two wgmma functions generated in."""
     fns = (wgmma_function("wgmma_s", 32, True, False) + wgmma_function("wgmma_o", 256, True, True)
-           + wgmma_function("wgmma_s64", 64, False, False))
+           + wgmma_function("wgmma_s64", 64, False, False) + wgmma_function("wgmma_o128", 128, True, True))
     return PRODUCTION.read_text() + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", fns)
 
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     from executor.numba_cuda import attention_flash
 
     module = Module(cubin)
-    for kernel, threads, shared in KERNELS.values():
+    for kernel, threads, _, shared in KERNELS.values():
         module.function(kernel, shared)
         regs, local = module.attributes(kernel)
         print(f"{kernel}: {regs} registers, {local} B local, {shared} B shared, {threads} threads")
@@ -108,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         t_ref = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=ref, warps=8, split=False))
         a = ref.copy_to_host()
         print(f"| {model} | {rows} at {start} | production (mma.sync) | {t_ref:.3f} | 1 | {flops / t_ref / 1e9:.0f} | |")
-        for label, (kernel, threads, shared) in KERNELS.items():
+        for label, (kernel, threads, tile_rows, shared) in KERNELS.items():
             out = cuda.device_array((rows, q_heads * d), np.uint16)
-            tiles = -(-rows * (q_heads // kv_heads) // (threads // 32 * 16))
+            tiles = -(-rows * (q_heads // kv_heads) // tile_rows)
             args = (q, qg, kc, vc, out, rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)))
             t_new = timed(lambda: module.launch(kernel, (tiles, kv_heads), threads, shared, *args, wait=False))
             cuda.synchronize()

@@ -298,16 +298,23 @@ __device__ __forceinline__ float4* zeroed_total(bf16_t* base, int warp, int lane
 // the warp's running (M, L) (registers) and O total (shared memory, `total[n * 32]` the float4 of
 // column tile n): see `fold_factors`. No key of a row in the segment (m = -inf): c1 = 1, c2 = 0,
 // O_s = l_s = 0, so the fold changes no bit (but a -0 in O: see the header).
-template <int D>
-__device__ __forceinline__ void fold_into_total(float4* total, float (&M)[2], float (&L)[2], const float (&acc)[D / 8][4],
-                                                const float (&m)[2], const float (&l)[2]) {
+// The segment's factors for the thread's two rows (fold_factors), with L folded: c1 scales the
+// running total, c2 the segment's part.
+__device__ __forceinline__ void fold_rows(float (&c1)[2], float (&c2)[2], float (&M)[2], float (&L)[2],
+                                          const float (&m)[2], const float (&l)[2]) {
     const float ls[2] = {quad_sum(l[0]), quad_sum(l[1])};
-    float c1[2], c2[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         fold_factors(M[r], m[r], c1[r], c2[r]);
         L[r] = fold(L[r], ls[r], c1[r], c2[r]);
     }
+}
+
+template <int D>
+__device__ __forceinline__ void fold_into_total(float4* total, float (&M)[2], float (&L)[2], const float (&acc)[D / 8][4],
+                                                const float (&m)[2], const float (&l)[2]) {
+    float c1[2], c2[2];
+    fold_rows(c1, c2, M, L, m, l);
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
         float4 o = total[n * 32];
