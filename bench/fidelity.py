@@ -300,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = lambda s: print(s, flush=True)
     try:
         profile = load_profile(args.profile)
+        if args.invariant_rows != "server":
+            grid_rows(args.invariant_rows, profile, {})  # refused now, not after the server's run
+        if not args.timeout_s > 0:
+            raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s:g}")
         if not args.replay:
             args.out.mkdir(parents=True, exist_ok=True)
             policy = parse_policy(args.policy.read_text()) if args.policy else policy_from_dict({})

@@ -58,7 +58,7 @@ def parse_cases(text: str) -> list[tuple[str, int, int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m bench.flash_wgmma", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"MODEL:ROWS@START, comma-separated ({DEFAULT_CASES})")
     parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         cases = parse_cases(args.cases)
     except ValueError as e:
         parser.error(str(e))
-    cubin, log = compile_cubin(source(), "flash_wgmma.cu")
+    try:
+        cubin, log = compile_cubin(source(), "flash_wgmma.cu")
+    except RuntimeError as e:
+        parser.error(str(e))
     lines = log.splitlines()
     print("\n".join(x for x in lines if "C75" in x or "Compiling" in x or "Used" in x or "spill" in x))
     if args.compile_only:

@@ -39,8 +39,13 @@ def wgmma_function(name: str, n: int, a_registers: bool, transpose_b: bool) -> s
 
 def compile_cubin(source: str, name: str, arch: str = "sm_90a") -> tuple[bytes, str]:
     """(cubin, NVRTC log with ptxas -v: registers, spills, wgmma serialization notes) of `source`
-    for `arch`. Raises RuntimeError with the log when the compile fails."""
-    from cuda.bindings import nvrtc
+    for `arch`. Raises RuntimeError with the log when the compile fails, or naming what to
+    install when cuda-bindings is missing."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        raise RuntimeError("NVRTC needs cuda-bindings (numba-cuda's dependency: pip install -e '.[cuda]'); "
+                           "the kernels then need an NVIDIA H100/H200 (sm_90a)") from None
 
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]

@@ -638,8 +638,12 @@ def main(argv: list[str] | None = None) -> int:
         s = Settings(grid_rows=args.grid_rows, off_grid_rows=args.off_grid_rows, turns=args.turns,
                      max_tokens=args.max_tokens, warm_timeout_s=args.warm_timeout_s, warmup_rows=args.warmup_rows,
                      cases=tuple(c.strip() for c in args.cases.split(",") if c.strip()))
-        if args.repeat < 1 or (args.url_off and not args.url):
-            raise ValueError("--repeat must be >= 1; --url-off needs --url")
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+        if args.url_off and not args.url:
+            raise ValueError("--url-off needs --url (the cache-on server it is compared with)")
+        if args.max_ttft_ratio is not None and not args.max_ttft_ratio > 0:
+            raise ValueError(f"--max-ttft-ratio must be > 0, got {args.max_ttft_ratio}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

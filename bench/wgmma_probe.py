@@ -89,7 +89,7 @@ def loops(module: Module) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m bench.wgmma_probe", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loops", action="store_true", help="also time the wgmma and mma.sync loops")
     parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.case:
         return run_case(args.case, args.cubin, args.out)
-    cubin, log = compile_cubin(source(), "wgmma_probe.cu")
+    try:
+        cubin, log = compile_cubin(source(), "wgmma_probe.cu")
+    except RuntimeError as e:
+        parser.error(str(e))
     print(f"sm_90a cubin, {len(cubin)} bytes")
     print("\n".join(x for x in log.splitlines() if "Used" in x or "spill" in x or "C75" in x))
     if args.compile_only:

@@ -342,3 +342,16 @@ def test_machine_names_host_cpu_model_and_count(tmp_path):
     other.write_text("ffff0000-0000-0000-0000-000000000000\n")
     assert machine(info, boot) != machine(info, other)
     assert len(machine_lines(machine(info, boot), machine(info, other))) == 2
+
+
+def test_bad_grid_and_timeout_are_refused_before_the_server_starts(tmp_path, capsys):
+    """A fresh-user review: --invariant-rows -5 was refused only after the whole server run,
+    and --timeout-s -1 read as "the server did not get ready". Nothing is written to --out."""
+    out = tmp_path / "run"
+    for flags, message in ((["--invariant-rows", "-5"], "--invariant-rows"),
+                           (["--invariant-rows", "bogus"], "--invariant-rows"),
+                           (["--timeout-s", "-1"], "--timeout-s must be > 0, got -1")):
+        assert main(["--plan", "tiny", "--backend", "reference", "--profile", "qwen3.5-2b-h200", "--out", str(out),
+                     *flags]) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()

@@ -184,3 +184,17 @@ def test_server_args_may_be_one_flag():
     assert attach_server_args(["--server-args"]) == ["--server-args"]  # argparse then names the missing value
     assert attach_server_args(["--server-arg", "-x"]) == attach_server_args(["--serv", "-x"]) == ["--server-args=-x"]
     assert attach_server_args(["--ser", "-x"]) == ["--ser", "-x"]  # too short to be sure (--seed, --salt)
+
+
+def test_bad_flags_are_refused_before_any_server_starts_each_with_its_own_message(capsys):
+    """A fresh-user review found --repeat and --url-off sharing one message, and a negative
+    --max-ttft-ratio checked only after every server had run (minutes on the 27B)."""
+    wt = _module()
+    cases = {("--server-args", "--backend reference", "--repeat", "0"): "--repeat must be >= 1, got 0",
+             ("--server-args", "--backend reference", "--url-off", "http://x"): "--url-off needs --url",
+             ("--server-args", "--backend reference", "--max-ttft-ratio", "-1"): "--max-ttft-ratio must be > 0, got -1.0"}
+    for argv, message in cases.items():
+        assert wt.main(list(argv)) == 2
+        err = capsys.readouterr().err
+        assert f"error: {message}" in err and "starting server" not in err
+    assert "must be >= 1" not in err  # one message a flag

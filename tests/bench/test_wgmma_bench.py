@@ -50,3 +50,25 @@ def test_the_probe_source_appends_its_kernels_and_functions_to_the_walks():
     assert text.index("flash_wgmma_walk_256") < text.index("gemm_ss(")
     assert "@WGMMA_FUNCTIONS@" not in text
     assert len(re.findall(r"void wgmma_(ss|rs)_n\d+_t[01]\(", text)) == 5
+
+
+def test_without_cuda_bindings_the_benches_say_what_to_install(monkeypatch, capsys):
+    """A fresh-user review: on a machine without cuda-bindings both benches died in a
+    ModuleNotFoundError traceback."""
+    import builtins
+
+    from bench import flash_wgmma, wgmma_probe
+
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name.startswith("cuda"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    for bench_main in (flash_wgmma.main, wgmma_probe.main):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_main(["--compile-only"])
+        assert exit_info.value.code == 2
+        assert "NVRTC needs cuda-bindings" in capsys.readouterr().err
