@@ -94,15 +94,17 @@ struct Tile {
     int group, h, warp, lane, g, t, vrows, cta_first, blocks, warp_first, warp_blocks, unmasked;
     int pos[2];
     bool empty;
-    __device__ __forceinline__ Tile(int rows, int start, int q_heads, int kv_heads) {
+    // heads_fast: a one-dimensional grid of tiles x kv_heads CTAs, the K/V head varying fastest
+    // (CTAs that run together stream different heads' keys), longest tiles first.
+    __device__ __forceinline__ Tile(int rows, int start, int q_heads, int kv_heads, bool heads_fast = false) {
         group = q_heads / kv_heads;
-        h = blockIdx.y;
+        h = heads_fast ? blockIdx.x % kv_heads : blockIdx.y;
         warp = threadIdx.x / 32 % WARPS;
         lane = threadIdx.x % 32;
         g = lane >> 2;
         t = lane & 3;
         vrows = rows * group;
-        cta_first = (gridDim.x - 1 - blockIdx.x) * WARPS * 16;
+        cta_first = (heads_fast ? gridDim.x / kv_heads - 1 - blockIdx.x / kv_heads : gridDim.x - 1 - blockIdx.x) * WARPS * 16;
         empty = cta_first >= vrows;
         const int cta_last = min(cta_first + WARPS * 16, vrows) - 1;
         blocks = (start + cta_last / group) / BN + 1;
@@ -116,7 +118,49 @@ struct Tile {
     }
 };
 
-template <int D, int BN, int STAGES>
+// The ring for `flash_wgmma_walk<..., PINGPONG = true>`: one CTA-wide barrier a block. Block
+// b + 1 is copied at block b's barrier into the stage of block b - 2, which both warpgroups are
+// done with by then (their last wgmma reading it, P_{b-2} V_{b-2}, was waited in block b - 1's
+// scores); so no second barrier, and a warpgroup may run up to a block's softmax ahead.
+template <int D, int BN, int THREADS, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd>
+__device__ __forceinline__ void walk_blocks_pingpong(bf16_t* ring, const bf16_t* kbase, const bf16_t* vbase,
+                                                     size_t row_stride, int first, int last, Scores scores,
+                                                     Values values, SegmentEnd segment_end) {
+    static_assert(STAGES >= 3, "block b + 1 goes into block b - 2's stage");
+    constexpr int BLOCK = BN * D;
+    const u32 ring0 = smem_addr(ring);
+    auto load = [&](int block) {
+        if (block < last) {
+            const int stage = (block - first) % STAGES;
+            load_block_core<D, BN, THREADS>(ring + (2 * stage) * BLOCK, kbase, row_stride, block);
+            load_block_core<D, BN, THREADS>(ring + (2 * stage + 1) * BLOCK, vbase, row_stride, block);
+        }
+        commit();
+    };
+    load(first);
+    for (int s0 = first; s0 < last; s0 += SEG) {
+        const int s1 = min(s0 + SEG, last);
+        for (int b = s0; b < s1; ++b) {
+            wait_groups<0>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();  // block b is in for every thread; block b - 2's stage is free
+            load(b + 1);
+            const int stage = (b - first) % STAGES;
+            scores(b, ring0 + 2u * (2 * stage) * BLOCK);
+            values(b, ring0 + 2u * (2 * stage + 1) * BLOCK);
+        }
+        segment_end(s0);
+    }
+    wait_groups<0>();
+    __syncthreads();
+}
+
+__device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+template <int D, int BN, int STAGES, bool PINGPONG, bool HEADS_FAST = false>
 __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
                                          bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale) {
     constexpr int WARPS = 8;
@@ -124,7 +168,7 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
     constexpr int BLOCK = BN * D;
     constexpr int PIECES = D / 8;
 
-    const Tile<WARPS, BN> c(rows, start, q_heads, kv_heads);
+    const Tile<WARPS, BN> c(rows, start, q_heads, kv_heads, HEADS_FAST);
     if (c.empty) return;
     const int group = c.group, h = c.h, warp = c.warp, lane = c.lane, g = c.g, t = c.t, vrows = c.vrows;
     const int blocks = c.blocks, warp_first = c.warp_first, warp_blocks = c.warp_blocks, unmasked = c.unmasked;
@@ -152,18 +196,32 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
         l[0] = l[1] = 0.0f;
     };
     // P_b V_b is left in flight; block b + 1's S is issued behind it, then both are waited
-    // (walk_blocks_wgmma).
+    // (walk_blocks_wgmma). PINGPONG: the two warpgroups take turns issuing (S_b of 0, S_b of 1,
+    // P_b V_b of 0, P_b V_b of 1, ...: named barriers 1 and 2), so one's softmax runs under the
+    // other's products (FlashAttention-3's ping-pong), on walk_blocks_pingpong's ring.
+    const int wg = threadIdx.x / 128;
+    auto my_turn = [&]() {
+        if constexpr (PINGPONG) bar_sync(1 + wg, THREADS);
+    };
+    auto pass_turn = [&]() {
+        if constexpr (PINGPONG) bar_arrive(2 - wg, THREADS);
+    };
+    if constexpr (PINGPONG) {
+        if (wg == 1) bar_arrive(1, THREADS);  // warpgroup 0 issues first
+    }
     float s[BN / 8][4];
     // every block of the CTA runs in both warpgroups (no divergent wgmma: ptxas would serialize);
     // a block past a warpgroup's rows is masked for them: the same bits as skipping it
     auto scores = [&](int b, u32 k_addr) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        my_turn();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; ++k)
             wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), qf[k], wg_desc(k_addr + k * 256, 128, PIECES * 128));
         wg_commit();
+        pass_turn();
         wg_wait0();
         wg_keep<BN / 2>(&s[0][0]);
         wg_keep<D / 2>(&acc[0][0]);
@@ -171,11 +229,13 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
     auto values = [&](int b, u32 v_addr) {
         u32 pf[BN / 16][4];
         block_softmax<D, BN>(pf, s, m, l, acc, pos, b, b >= unmasked, scale2, t);
+        my_turn();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < BN / 16; ++k)
             wgmma_o(reinterpret_cast<float(&)[D / 2]>(acc), pf[k], wg_desc(v_addr + k * 2 * PIECES * 128, PIECES * 128, 128));
         wg_commit();
+        pass_turn();
     };
     float4* total = zeroed_total<D>(ring + 2 * STAGES * BLOCK, warp, lane);
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
@@ -187,15 +247,33 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
         fold_into_total<D>(total, M, L, acc, m, l);
         reset();
     };
-    walk_blocks_wgmma<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, 0, blocks, scores, values,
-                                                       fold_segment);
+    if constexpr (PINGPONG) {
+        walk_blocks_pingpong<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, 0, blocks, scores,
+                                                                 values, fold_segment);
+        if (wg == 0) bar_sync(1, THREADS);  // warpgroup 1's last turn passed
+    } else {
+        walk_blocks_wgmma<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, 0, blocks, scores, values,
+                                                           fold_segment);
+    }
     write_gated<D>(out, qg, total, L, warp_first, g, t, vrows, group, h, q_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_walk_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out, int rows,
                   int start, int q_heads, int kv_heads, float scale) {
-    flash_wgmma_walk<256, 32, 3>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+    flash_wgmma_walk<256, 32, 3, false>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_heads_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                               int rows, int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_walk<256, 32, 3, false, true>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_pingpong_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                             int rows, int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_walk<256, 32, 3, true>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
 }
 
 // K and V of keys [64 p, 64 p + 64) (blocks 2p and 2p + 1 of BN = 32 keys) of one K/V head into

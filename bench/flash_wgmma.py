@@ -1,12 +1,14 @@
 """The wgmma walks of bench/flash_wgmma.cu (experiments the backend does not use: `walk`, 8 warps,
-Q in registers; `pairs`, 4 warps, Q in shared memory, S for two key blocks at once; `halves`, two
-warpgroups splitting head_dim on the same 64 rows) against the production flash attention walk
+Q in registers; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `pairs`, 4
+warps, Q in shared memory, S for two key blocks at once; `halves`, two warpgroups splitting
+head_dim on the same 64 rows; `walk-heads`, not yet run) against the production flash attention walk
 (`attention_flash.prefill`, mma.sync, 8 warps, not split) on the same inputs: every output bit
 compared, CUDA-event ms (median of 5) and TFLOP/s (causal: 4 x head_dim x q_heads x the keys each
 row sees). Issue 5: the 9B 32K TTFT needs attention at about twice its speed; bench/RESULTS.md,
 session 26, has the tables and why none of the three is faster at long chunks yet.
 
-Usage (H200): python -m bench.flash_wgmma [--cases 27b:51@1984,9b:8192@24576] [--compile-only]
+Usage (H200): python -m bench.flash_wgmma [--cases 27b:51@1984,9b:8192@24576] [--kernels walk,walk-heads]
+[--compile-only]
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ HEADS = {"27b": (24, 4), "9b": (16, 4)}
 DEFAULT_CASES = "27b:51@1984,27b:2000@0,9b:4096@0,9b:8192@0,9b:8192@24576"
 KERNELS = {
     "walk": ("flash_wgmma_walk_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "pingpong": ("flash_wgmma_pingpong_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "walk-heads": ("flash_wgmma_walk_heads_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "pairs": ("flash_wgmma_pairs_256", 128, 64, 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 4 * 16 * 256 * 4),
     "halves": ("flash_wgmma_halves_256", 256, 64, 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2),
 }
@@ -33,6 +37,13 @@ KERNELS = {
 rows, a ring of 3 (K, V) blocks of 32 keys, 8 warps' running outputs (f32); pairs: 4 warps, Q
 (bf16), a ring of 2 (K, V) pairs of 64 keys, 4 warps' running outputs; halves: 2 warpgroups on the
 same 64 rows (head_dim split), Q, a ring of 3 pairs."""
+
+
+HEADS_FAST = {"flash_wgmma_walk_heads_256"}
+"""Kernels launched on a one-dimensional grid, the K/V head varying fastest (Tile's heads_fast)."""
+DEFAULT_KERNELS = "walk,pingpong,pairs,halves"
+"""`walk-heads` (walk with CTAs that run together on different K/V heads, against L2 hot spots)
+was written after session 26's device time ran out: not yet run on a GPU, so not a default."""
 
 
 def source() -> str:
@@ -61,10 +72,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.flash_wgmma", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"MODEL:ROWS@START, comma-separated ({DEFAULT_CASES})")
+    parser.add_argument("--kernels", default=DEFAULT_KERNELS,
+                        help=f"comma-separated, of {', '.join(KERNELS)} (default: {DEFAULT_KERNELS})")
     parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
     args = parser.parse_args(argv)
     try:
         cases = parse_cases(args.cases)
+        kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+        if not kernels or any(k not in KERNELS for k in kernels):
+            raise ValueError(f"--kernels {args.kernels!r}: one or more of {', '.join(KERNELS)}")
     except ValueError as e:
         parser.error(str(e))
     try:
@@ -114,11 +130,13 @@ def main(argv: list[str] | None = None) -> None:
         t_ref = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=ref, warps=8, split=False))
         a = ref.copy_to_host()
         print(f"| {model} | {rows} at {start} | production (mma.sync) | {t_ref:.3f} | 1 | {flops / t_ref / 1e9:.0f} | |")
-        for label, (kernel, threads, tile_rows, shared) in KERNELS.items():
+        for label in kernels:
+            kernel, threads, tile_rows, shared = KERNELS[label]
             out = cuda.device_array((rows, q_heads * d), np.uint16)
             tiles = -(-rows * (q_heads // kv_heads) // tile_rows)
             args = (q, qg, kc, vc, out, rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)))
-            t_new = timed(lambda: module.launch(kernel, (tiles, kv_heads), threads, shared, *args, wait=False))
+            grid = (tiles * kv_heads, 1) if kernel in HEADS_FAST else (tiles, kv_heads)
+            t_new = timed(lambda: module.launch(kernel, grid, threads, shared, *args, wait=False))
             cuda.synchronize()
             diff = int((a != out.copy_to_host()).sum())
             print(f"| {model} | {rows} at {start} | wgmma {label} | {t_new:.3f} | {t_ref / t_new:.2f}x | "

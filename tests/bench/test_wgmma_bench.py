@@ -72,3 +72,12 @@ def test_without_cuda_bindings_the_benches_say_what_to_install(monkeypatch, caps
             bench_main(["--compile-only"])
         assert exit_info.value.code == 2
         assert "NVRTC needs cuda-bindings" in capsys.readouterr().err
+
+
+def test_unknown_kernels_are_refused_before_any_compile(capsys):
+    from bench import flash_wgmma
+
+    with pytest.raises(SystemExit) as exit_info:
+        flash_wgmma.main(["--kernels", "walk,nope"])
+    assert exit_info.value.code == 2 and "--kernels 'walk,nope'" in capsys.readouterr().err
+    assert set(flash_wgmma.DEFAULT_KERNELS.split(",")) < set(flash_wgmma.KERNELS)
