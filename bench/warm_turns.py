@@ -48,6 +48,7 @@ import collections
 import hashlib
 import http.client
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -521,18 +522,35 @@ def phase_table(runs: list[dict[str, Any]], s: Settings) -> str:
                      for r in rows)
 
 
-def environment() -> dict[str, Any]:
-    """The git commit (and whether the tree is dirty) and the GPU name, when known."""
-    def run(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=20, check=False)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
+def _run(*cmd: str, root: Path = ROOT, env: dict[str, str] | None = None) -> str | None:
+    """A command's stripped stdout in `root`; None when it cannot run or fails."""
+    try:
+        out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=20, check=False, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
-    gpu = run("nvidia-smi", "--query-gpu=name", "--format=csv,noheader") if shutil.which("nvidia-smi") else None
-    return {"commit": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "--porcelain")),
-            "gpu": gpu.splitlines()[0] if gpu else None}
+
+def tree_hash(root: Path = ROOT) -> str | None:
+    """git's tree hash of the files a commit of `root` would hold now (tracked ones as they are on
+    disk, and untracked ones git does not ignore), made through a temporary index (the checkout's
+    own index is left alone; blobs are written to its object store). It equals
+    `git rev-parse C^{tree}` when the files are exactly commit C's, whatever HEAD says: a copy
+    whose .git is older than its files (the GPU machine's, RESULTS.md session 26) still names the
+    code that ran (`git log --all --format='%H %T' | grep TREE`). None outside git."""
+    with tempfile.TemporaryDirectory(prefix="tree_hash.") as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+        if _run("git", "add", "-A", root=root, env=env) is None:
+            return None
+        return _run("git", "write-tree", root=root, env=env)
+
+
+def environment() -> dict[str, Any]:
+    """HEAD's commit, whether the files differ from it, their tree hash (`tree_hash`), and the
+    GPU name, when known."""
+    gpu = _run("nvidia-smi", "--query-gpu=name", "--format=csv,noheader") if shutil.which("nvidia-smi") else None
+    return {"commit": _run("git", "rev-parse", "HEAD"), "dirty": bool(_run("git", "status", "--porcelain")),
+            "tree": tree_hash(), "gpu": gpu.splitlines()[0] if gpu else None}
 
 
 # --- the CLI --------------------------------------------------------------------------------------------

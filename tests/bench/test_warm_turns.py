@@ -86,6 +86,7 @@ def test_both_cases_abba_on_the_tiny_model(tmp_path):
     assert "host ms per step phase" in proc.stdout and "restore ms" in proc.stdout
     assert receipt["environment"]["commit"] and sorted(p.name for p in (tmp_path / "traces").glob("*.log")) == [
         "1-A.log", "2-B.log", "3-B.log", "4-A.log"]
+    assert receipt["environment"]["tree"] == _module().tree_hash() and len(receipt["environment"]["tree"]) == 40
 
 
 def test_publish_seconds_reads_the_step_that_ran_the_last_chunk():
@@ -198,3 +199,36 @@ def test_bad_flags_are_refused_before_any_server_starts_each_with_its_own_messag
         err = capsys.readouterr().err
         assert f"error: {message}" in err and "starting server" not in err
     assert "must be >= 1" not in err  # one message a flag
+
+
+def test_tree_hash_names_the_files_whatever_head_says(tmp_path):
+    """The GPU machine's copy of the checkout kept an old .git: its receipts named a parent commit,
+    dirty (session 26). The tree hash names the files: equal to the commit's tree when they are
+    that commit's, with untracked files counted and ignored ones not; the index is untouched."""
+    wt = _module()
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "a.py").write_text("two\n")
+    git("commit", "-qam", "second")
+    second = git("rev-parse", "HEAD^{tree}")
+    assert wt.tree_hash(tmp_path) == second
+    git("reset", "-q", "--soft", "HEAD~1")  # HEAD says "first"; the files are still the second commit's
+    index_before = git("diff", "--cached", "--name-only")
+    assert wt.tree_hash(tmp_path) == second != first
+    assert git("diff", "--cached", "--name-only") == index_before  # the checkout's index is left alone
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "x").write_text("not counted\n")
+    assert wt.tree_hash(tmp_path) == second
+    (tmp_path / "b.py").write_text("counted\n")
+    assert wt.tree_hash(tmp_path) not in (first, second, None)
+    assert wt.tree_hash(tmp_path / "ignored" / "..") == wt.tree_hash(tmp_path)
