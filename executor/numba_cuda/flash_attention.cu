@@ -294,10 +294,6 @@ __device__ __forceinline__ float4* zeroed_total(bf16_t* base, int warp, int lane
     return total;
 }
 
-// The fold of a segment's (m, l, O) (registers, O as the warp's mma accumulator fragments) into
-// the warp's running (M, L) (registers) and O total (shared memory, `total[n * 32]` the float4 of
-// column tile n): see `fold_factors`. No key of a row in the segment (m = -inf): c1 = 1, c2 = 0,
-// O_s = l_s = 0, so the fold changes no bit (but a -0 in O: see the header).
 // The segment's factors for the thread's two rows (fold_factors), with L folded: c1 scales the
 // running total, c2 the segment's part.
 __device__ __forceinline__ void fold_rows(float (&c1)[2], float (&c2)[2], float (&M)[2], float (&L)[2],
@@ -310,6 +306,10 @@ __device__ __forceinline__ void fold_rows(float (&c1)[2], float (&c2)[2], float 
     }
 }
 
+// The fold of a segment's (m, l, O) (registers, O as the warp's mma accumulator fragments) into
+// the warp's running (M, L) (registers) and O total (shared memory, `total[n * 32]` the float4 of
+// column tile n): see `fold_factors`. No key of a row in the segment (m = -inf): c1 = 1, c2 = 0,
+// O_s = l_s = 0, so the fold changes no bit (but a -0 in O: see the header).
 template <int D>
 __device__ __forceinline__ void fold_into_total(float4* total, float (&M)[2], float (&L)[2], const float (&acc)[D / 8][4],
                                                 const float (&m)[2], const float (&l)[2]) {
