@@ -51,18 +51,67 @@ __device__ __forceinline__ void load_block_core(bf16_t* dst, const bf16_t* src, 
     }
 }
 
+// load_block_core's copies with the addresses worked out once a block: when THREADS = 8 x
+// PIECES, thread x always copies piece x / 8 of keys 8 i + x % 8 (i < BN / 8), so its source
+// moves by 8 rows and its destination by a core row (PIECES x 128 bytes) from one copy to the next.
+template <int D, int BN, int THREADS>
+__device__ __forceinline__ void load_block_core_fixed(u32 dst, const bf16_t* src, size_t row_stride, int block) {
+    constexpr int PIECES = D / 8;
+    static_assert(THREADS == 8 * PIECES, "a thread keeps one piece and one key of every 8");
+    const int r8 = threadIdx.x % 8, p = threadIdx.x / 8;
+    const bf16_t* from = src + (size_t)(block * BN + r8) * row_stride + p * 8;
+    const u32 to = dst + (p * 64 + r8 * 8) * 2;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) copy16(to + i * PIECES * 128, from + i * 8 * row_stride);
+}
 
-template <int D, int BN, int THREADS, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd>
+// Keys [block * BN, +BN) of one K/V head in the 128-byte swizzle (PTX ISA, "Shared Memory Matrix
+// Layout", 128B swizzling; what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): dims in chunks of 64
+// (128 bytes), chunk j of key r at j * BN * 128 + r * 128 bytes, its 16-byte piece q at
+// (q ^ (r % 8)) * 16 inside (the ring must be 1024-byte aligned). Thread x copies piece x % 8 of key
+// x / 8 in every chunk: a warp reads 4 whole 128-byte rows of global memory and writes 512
+// contiguous bytes of shared memory.
+template <int D, int BN, int THREADS>
+__device__ __forceinline__ void load_block_swizzled(u32 dst, const bf16_t* src, size_t row_stride, int block) {
+    static_assert(THREADS == 8 * BN, "a thread keeps one key and one piece of every chunk");
+    const int q = threadIdx.x % 8, r = threadIdx.x / 8;
+    const bf16_t* from = src + (size_t)(block * BN + r) * row_stride + q * 8;
+    const u32 to = dst + r * 128 + ((q ^ (r % 8)) * 16);
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) copy16(to + j * BN * 128, from + j * 64);
+}
+
+__device__ __forceinline__ unsigned long long wg_desc_128b(u32 addr, u32 lbo, u32 sbo) {
+    return wg_desc(addr, lbo, sbo) | (1ull << 62);
+}
+
+// `stamp(i)` (a no-op but in `flash_wgmma_walk_clocks_256`) charges the cycles since the last
+// stamp to phase i: 0 waiting for block b's copy and the barrier, 1 S_b (issue and wait, with
+// P_{b-1} V_{b-1}), 2 the second barrier, 3 issuing block b + 2's copy, 4 the softmax and P_b V_b's
+// issue, 5 the segment's fold. COPY 0: block b + 2's copy is issued before block b's softmax;
+// 1: after P_b V_b's issue (the copies then overlap the tensor cores' P V); 2: as 1, with
+// load_block_core_fixed's addresses; 3 and 4: as 1, the blocks in the 128-byte swizzle
+// (load_block_swizzled; 3 and 4 differ in V's descriptor only, flash_wgmma_walk).
+template <int D, int BN, int THREADS, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd,
+          typename Stamp, int COPY = 0>
 __device__ __forceinline__ void walk_blocks_wgmma(bf16_t* ring, const bf16_t* kbase, const bf16_t* vbase,
                                                size_t row_stride, int first, int last, Scores scores, Values values,
-                                               SegmentEnd segment_end) {
+                                               SegmentEnd segment_end, Stamp stamp) {
     constexpr int BLOCK = BN * D;
     const u32 ring0 = smem_addr(ring);
     auto load_pair = [&](int block) {  // K and V of `block` into its stage, one copy group (empty past last)
         if (block < last) {
             const int stage = (block - first) % STAGES;
-            load_block_core<D, BN, THREADS>(ring + (2 * stage) * BLOCK, kbase, row_stride, block);
-            load_block_core<D, BN, THREADS>(ring + (2 * stage + 1) * BLOCK, vbase, row_stride, block);
+            if constexpr (COPY >= 3) {
+                load_block_swizzled<D, BN, THREADS>(ring0 + 2u * (2 * stage) * BLOCK, kbase, row_stride, block);
+                load_block_swizzled<D, BN, THREADS>(ring0 + 2u * (2 * stage + 1) * BLOCK, vbase, row_stride, block);
+            } else if constexpr (COPY == 2) {
+                load_block_core_fixed<D, BN, THREADS>(ring0 + 2u * (2 * stage) * BLOCK, kbase, row_stride, block);
+                load_block_core_fixed<D, BN, THREADS>(ring0 + 2u * (2 * stage + 1) * BLOCK, vbase, row_stride, block);
+            } else {
+                load_block_core<D, BN, THREADS>(ring + (2 * stage) * BLOCK, kbase, row_stride, block);
+                load_block_core<D, BN, THREADS>(ring + (2 * stage + 1) * BLOCK, vbase, row_stride, block);
+            }
         }
         commit();
     };
@@ -73,13 +122,25 @@ __device__ __forceinline__ void walk_blocks_wgmma(bf16_t* ring, const bf16_t* kb
             wait_groups<STAGES - 2>();
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             __syncthreads();  // block b is in for every thread
+            stamp(0);
             const int stage = (b - first) % STAGES;
             scores(b, ring0 + 2u * (2 * stage) * BLOCK);  // S_b; S_b and P_{b-1} V_{b-1} waited
+            stamp(1);
             __syncthreads();  // every warpgroup is done with block b - 1
-            load_pair(b + STAGES - 1);
+            stamp(2);
+            if constexpr (COPY == 0) {
+                load_pair(b + STAGES - 1);
+                stamp(3);
+            }
             values(b, ring0 + 2u * (2 * stage + 1) * BLOCK);  // softmax, P_b V_b issued, not waited
+            stamp(4);
+            if constexpr (COPY != 0) {
+                load_pair(b + STAGES - 1);
+                stamp(3);
+            }
         }
         segment_end(s0);
+        stamp(5);
     }
     wait_groups<0>();
     __syncthreads();
@@ -160,14 +221,28 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-template <int D, int BN, int STAGES, bool PINGPONG, bool HEADS_FAST = false>
+// CLOCKS: `clocks` (u64 [10], zeroed) gets every warp's cycles by phase (walk_blocks_wgmma's
+// 0-5; 6 before the walk: Q's fragments and the running total's set-up; 7 the gated write), 8 the
+// warps' whole time and 9 the blocks they walked, summed over warps (atomicAdd).
+template <int D, int BN, int STAGES, bool PINGPONG, bool HEADS_FAST = false, bool CLOCKS = false, int COPY = 0>
 __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
-                                         bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale) {
+                                         bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale,
+                                         unsigned long long* clocks = nullptr) {
     constexpr int WARPS = 8;
     constexpr int THREADS = WARPS * 32;
     constexpr int BLOCK = BN * D;
     constexpr int PIECES = D / 8;
 
+    unsigned phase[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const long long clock0 = CLOCKS ? clock64() : 0;
+    long long last_stamp = clock0;
+    auto stamp = [&](int i) {
+        if constexpr (CLOCKS) {
+            const long long now = clock64();
+            phase[i] += (unsigned)(now - last_stamp);
+            last_stamp = now;
+        }
+    };
     const Tile<WARPS, BN> c(rows, start, q_heads, kv_heads, HEADS_FAST);
     if (c.empty) return;
     const int group = c.group, h = c.h, warp = c.warp, lane = c.lane, g = c.g, t = c.t, vrows = c.vrows;
@@ -187,7 +262,8 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
     const bf16_t* kbase = kc + (size_t)h * D;
     const bf16_t* vbase = vc + (size_t)h * D;
     extern __shared__ __align__(128) unsigned char smem_bytes[];
-    bf16_t* ring = reinterpret_cast<bf16_t*>(smem_bytes);
+    // COPY >= 3: the swizzled ring starts at the first 1024-byte boundary (1 KB more is launched)
+    bf16_t* ring = reinterpret_cast<bf16_t*>(smem_bytes + (COPY >= 3 ? (1024 - (smem_addr(smem_bytes) & 1023)) & 1023 : 0));
 
     auto reset = [&]() {
 #pragma unroll
@@ -218,8 +294,14 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
         my_turn();
         wg_fence();
 #pragma unroll
-        for (int k = 0; k < D / 16; ++k)
-            wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), qf[k], wg_desc(k_addr + k * 256, 128, PIECES * 128));
+        for (int k = 0; k < D / 16; ++k) {
+            if constexpr (COPY >= 3) {  // k-step k: chunk k / 4, 32 bytes a step inside it; 8 keys 1024 bytes apart
+                wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), qf[k],
+                        wg_desc_128b(k_addr + (k / 4) * BN * 128 + (k % 4) * 32, 16, 1024));
+            } else {
+                wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), qf[k], wg_desc(k_addr + k * 256, 128, PIECES * 128));
+            }
+        }
         wg_commit();
         pass_turn();
         wg_wait0();
@@ -232,8 +314,16 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
         my_turn();
         wg_fence();
 #pragma unroll
-        for (int k = 0; k < BN / 16; ++k)
-            wgmma_o(reinterpret_cast<float(&)[D / 2]>(acc), pf[k], wg_desc(v_addr + k * 2 * PIECES * 128, PIECES * 128, 128));
+        for (int k = 0; k < BN / 16; ++k) {
+            if constexpr (COPY == 3) {  // keys 16 k..: 8 keys 1024 bytes apart, 64 dims BN * 128 apart
+                wgmma_o(reinterpret_cast<float(&)[D / 2]>(acc), pf[k], wg_desc_128b(v_addr + k * 2048, BN * 128, 1024));
+            } else if constexpr (COPY == 4) {
+                wgmma_o(reinterpret_cast<float(&)[D / 2]>(acc), pf[k], wg_desc_128b(v_addr + k * 2048, 1024, BN * 128));
+            } else {
+                wgmma_o(reinterpret_cast<float(&)[D / 2]>(acc), pf[k],
+                        wg_desc(v_addr + k * 2 * PIECES * 128, PIECES * 128, 128));
+            }
+        }
         wg_commit();
         pass_turn();
     };
@@ -252,10 +342,21 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
                                                                  values, fold_segment);
         if (wg == 0) bar_sync(1, THREADS);  // warpgroup 1's last turn passed
     } else {
-        walk_blocks_wgmma<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, 0, blocks, scores, values,
-                                                           fold_segment);
+        stamp(6);
+        walk_blocks_wgmma<D, BN, THREADS, STAGES, SEG_BLOCKS, decltype(scores), decltype(values),
+                          decltype(fold_segment), decltype(stamp), COPY>(ring, kbase, vbase, row_stride, 0, blocks,
+                                                                         scores, values, fold_segment, stamp);
     }
     write_gated<D>(out, qg, total, L, warp_first, g, t, vrows, group, h, q_heads);
+    if constexpr (CLOCKS) {
+        stamp(7);
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) atomicAdd(clocks + i, (unsigned long long)phase[i]);
+            atomicAdd(clocks + 8, (unsigned long long)(last_stamp - clock0));
+            atomicAdd(clocks + 9, (unsigned long long)blocks);
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1)
@@ -268,6 +369,58 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_walk_heads_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
                                int rows, int start, int q_heads, int kv_heads, float scale) {
     flash_wgmma_walk<256, 32, 3, false, true>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+// `walk` with block b + 2's copy issued after P_b V_b (COPY 1), and with fixed addresses too (2).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_late_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                              int rows, int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_walk<256, 32, 3, false, false, false, 1>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_fixed_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                               int rows, int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_walk<256, 32, 3, false, false, false, 2>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_fixed_clocks_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
+                                      bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale,
+                                      unsigned long long* clocks) {
+    flash_wgmma_walk<256, 32, 3, false, false, true, 2>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale,
+                                                        clocks);
+}
+
+// `walk` with K and V in the 128-byte swizzle, copied after P V (COPY 3; 4: V's descriptor strides
+// the other way round).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_swz_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                             int rows, int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_walk<256, 32, 3, false, false, false, 3>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_swz2_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                              int rows, int start, int q_heads, int kv_heads, float scale) {
+    flash_wgmma_walk<256, 32, 3, false, false, false, 4>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_swz_clocks_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
+                                    bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale,
+                                    unsigned long long* clocks) {
+    flash_wgmma_walk<256, 32, 3, false, false, true, 3>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale,
+                                                        clocks);
+}
+
+// `walk` with its warps' cycles charged to phases (flash_wgmma_walk's CLOCKS): where a block's
+// time goes. clock64 reads order the code around them, so its time is near walk's, not equal.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_walk_clocks_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                                int rows, int start, int q_heads, int kv_heads, float scale,
+                                unsigned long long* clocks) {
+    flash_wgmma_walk<256, 32, 3, false, false, true>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale, clocks);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1)

@@ -8,7 +8,7 @@ row sees). Issue 5: the 9B 32K TTFT needs attention at about twice its speed; be
 session 26, has the tables and why none of the three is faster at long chunks yet.
 
 Usage (H200): python -m bench.flash_wgmma [--cases 27b:51@1984,9b:8192@24576] [--kernels walk,walk-heads]
-[--compile-only]
+[--clocks] [--compile-only]
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ DEFAULT_CASES = "27b:51@1984,27b:2000@0,9b:4096@0,9b:8192@0,9b:8192@24576"
 KERNELS = {
     "walk": ("flash_wgmma_walk_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "pingpong": ("flash_wgmma_pingpong_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "walk-late": ("flash_wgmma_walk_late_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "walk-fixed": ("flash_wgmma_walk_fixed_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "walk-swz": ("flash_wgmma_walk_swz_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4 + 1024),
+    "walk-swz2": ("flash_wgmma_walk_swz2_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4 + 1024),
     "walk-heads": ("flash_wgmma_walk_heads_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "pairs": ("flash_wgmma_pairs_256", 128, 64, 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 4 * 16 * 256 * 4),
     "halves": ("flash_wgmma_halves_256", 256, 64, 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2),
@@ -41,6 +45,13 @@ same 64 rows (head_dim split), Q, a ring of 3 pairs."""
 
 HEADS_FAST = {"flash_wgmma_walk_heads_256"}
 """Kernels launched on a one-dimensional grid, the K/V head varying fastest (Tile's heads_fast)."""
+CLOCKS_KERNELS = {"walk": "flash_wgmma_walk_clocks_256", "walk-fixed": "flash_wgmma_walk_fixed_clocks_256",
+                  "walk-swz": "flash_wgmma_walk_swz_clocks_256"}
+"""`walk` and `walk-fixed` with their warps' cycles charged to phases (`--clocks`; one more
+argument: u64 [10])."""
+PHASES = ("copy wait + barrier", "S (with P V before)", "2nd barrier", "copy issue", "softmax + P V issue",
+          "fold", "before the walk", "gated write")
+"""flash_wgmma_walk's CLOCKS phases 0-7, in order (bench/flash_wgmma.cu)."""
 DEFAULT_KERNELS = "walk,pingpong,pairs,halves"
 """`walk-heads` (walk with CTAs that run together on different K/V heads, against L2 hot spots)
 was written after session 26's device time ran out: not yet run on a GPU, so not a default."""
@@ -74,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"MODEL:ROWS@START, comma-separated ({DEFAULT_CASES})")
     parser.add_argument("--kernels", default=DEFAULT_KERNELS,
                         help=f"comma-separated, of {', '.join(KERNELS)} (default: {DEFAULT_KERNELS})")
+    parser.add_argument("--clocks", action="store_true",
+                        help="also run walk with its warps' clock cycles charged to phases (where a block's time goes)")
     parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
     args = parser.parse_args(argv)
     try:
@@ -96,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     from executor.numba_cuda import attention_flash
 
     module = Module(cubin)
+    walk_shared = KERNELS["walk"][3] + 1024  # the swizzled ring aligns itself to 1024 bytes
+    for kernel in CLOCKS_KERNELS.values():
+        module.function(kernel, walk_shared)
     for kernel, threads, _, shared in KERNELS.values():
         module.function(kernel, shared)
         regs, local = module.attributes(kernel)
@@ -113,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             times.append(cuda.event_elapsed_time(e0, e1))
         return sorted(times)[2]
 
+    clock_rows = []
     rng = np.random.default_rng(26)
     d = 256
     print("\n| model | rows at start | kernel | ms | speed-up | TFLOP/s | bits equal to production |")
@@ -134,13 +151,39 @@ def main(argv: list[str] | None = None) -> None:
             kernel, threads, tile_rows, shared = KERNELS[label]
             out = cuda.device_array((rows, q_heads * d), np.uint16)
             tiles = -(-rows * (q_heads // kv_heads) // tile_rows)
-            args = (q, qg, kc, vc, out, rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)))
+            kargs = (q, qg, kc, vc, out, rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)))
             grid = (tiles * kv_heads, 1) if kernel in HEADS_FAST else (tiles, kv_heads)
-            t_new = timed(lambda: module.launch(kernel, grid, threads, shared, *args, wait=False))
+            t_new = timed(lambda: module.launch(kernel, grid, threads, shared, *kargs, wait=False))
             cuda.synchronize()
             diff = int((a != out.copy_to_host()).sum())
             print(f"| {model} | {rows} at {start} | wgmma {label} | {t_new:.3f} | {t_ref / t_new:.2f}x | "
                   f"{flops / t_new / 1e9:.0f} | {'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
+        for label, kernel in CLOCKS_KERNELS.items() if args.clocks else ():
+            out = cuda.device_array((rows, q_heads * d), np.uint16)
+            clocks = cuda.to_device(np.zeros(10, np.uint64))
+            tiles = -(-rows * (q_heads // kv_heads) // 128)
+            kargs = (q, qg, kc, vc, out, rows, start, q_heads, kv_heads, float(1.0 / np.sqrt(d)), clocks)
+            module.launch(kernel, (tiles, kv_heads), 256, walk_shared, *kargs)
+            clocks.copy_to_device(np.zeros(10, np.uint64))
+            t_clk = timed(lambda: module.launch(kernel, (tiles, kv_heads), 256, walk_shared, *kargs, wait=False))
+            cuda.synchronize()
+            clock_rows.append((model, rows, start, label, t_clk, clocks.copy_to_host() / 6,
+                               int((a != out.copy_to_host()).sum())))
+    if args.clocks:
+        print_clocks(clock_rows)
+
+
+def print_clocks(clock_rows: list) -> None:
+    """The walks' phases (flash_wgmma.cu's flash_wgmma_walk, CLOCKS): each phase's share of its
+    warps' cycles and the cycles a warp spent a key block (all phases over the blocks walked)."""
+    print("\n| model | rows at start | kernel (with clocks) | ms | cycles a block (a warp) | "
+          + " | ".join(PHASES) + " | bits equal |")
+    print("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- |")
+    for model, rows, start, label, ms, c, diff in clock_rows:
+        shares = " | ".join(f"{100 * x / c[8]:.1f}%" for x in c[:8])
+        print(f"| {model} | {rows} at {start} | {label} | {ms:.3f} | {c[8] / c[9]:.0f} | {shares} | "
+              f"{'yes' if diff == 0 else f'no: {diff} differ'} |")
+
 
 if __name__ == "__main__":
     main()

@@ -167,3 +167,107 @@ extern "C" __global__ void __launch_bounds__(256, 1) loop_mma(float* out, int it
     for (int j = 0; j < 16; ++j) s += d[j][0] + d[j][1] + d[j][2] + d[j][3];
     out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
+
+// A 16-step chain on one accumulator (k = 256, S = Q K^T's shape at head_dim 256): each of the
+// CTA's two warpgroups issues `iters` chains of 16 wgmma m64nNk16, A from registers (rs) or shared
+// memory (ss, K-major), B K-major [N, 256], each chain waited before the next (as the flash
+// walks wait for S). cycles[2 * CTA + warpgroup]: its clock cycles
+// over the loop. The walk's products (`chain_walk`): S on m64n32k16 from registers, waited, then
+// P V as two m64n256k16 from registers, B MN-major, left in flight (the next S waits for it), a
+// block each iteration.
+template <int N, typename Op>
+__device__ __forceinline__ void chain_loop(float* out, long long* cycles, int iters, Op op) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16_t* sa = reinterpret_cast<bf16_t*>(smem);  // 2 warpgroups x 64 x 256, core layout
+    bf16_t* sb = sa + 2 * 64 * 256;                 // N x 256, core layout
+    for (int e = threadIdx.x; e < (2 * 64 + N) * 256; e += blockDim.x) sa[e] = (bf16_t)(0x3c00 + (e & 7));
+    fence_async();
+    __syncthreads();
+    const int wg = threadIdx.x / 128;
+    u32 a[16][4];
+#pragma unroll
+    for (int k = 0; k < 16; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[k][i] = 0x3c003c00u + ((threadIdx.x + k + i) & 7);
+    float d[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
+    const u32 a0 = smem_addr(sa + wg * 64 * 256), b0 = smem_addr(sb);
+    const long long t0 = clock64();
+    for (int it = 0; it < iters; ++it) {
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 16; ++k) op(d, a[k], wg_desc(a0 + k * 256, 128, 4096), wg_desc(b0 + k * 256, 128, 4096));
+        wg_commit();
+        wg_wait0();
+        wg_keep<N / 2>(d);
+    }
+    const long long t1 = clock64();
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) s += d[i];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+    if (threadIdx.x % 128 == 0) cycles[2 * blockIdx.x + wg] = t1 - t0;
+}
+
+#define CHAIN_KERNEL(N, SRC, A)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) chain_##SRC##_n##N(float* out, long long* cycles, \
+                                                                                   int iters) {                 \
+        chain_loop<N>(out, cycles, iters,                                                                 \
+                            [](float(&d)[N / 2], const u32* a, unsigned long long ad, unsigned long long bd) {  \
+                                wgmma_##SRC##_n##N##_t0(d, A, bd);                                              \
+                            });                                                                                 \
+    }
+CHAIN_KERNEL(32, rs, a)
+CHAIN_KERNEL(32, ss, ad)
+CHAIN_KERNEL(64, rs, a)
+CHAIN_KERNEL(64, ss, ad)
+CHAIN_KERNEL(128, rs, a)
+CHAIN_KERNEL(256, rs, a)
+
+extern "C" __global__ void __launch_bounds__(256, 1) chain_walk(float* out, long long* cycles, int iters) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16_t* sk = reinterpret_cast<bf16_t*>(smem);  // K block [32, 256] then V block, core layout
+    for (int e = threadIdx.x; e < 2 * 32 * 256; e += blockDim.x) sk[e] = (bf16_t)(0x3c00 + (e & 7));
+    fence_async();
+    __syncthreads();
+    const int wg = threadIdx.x / 128;
+    u32 a[16][4];
+#pragma unroll
+    for (int k = 0; k < 16; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[k][i] = 0x3c003c00u + ((threadIdx.x + k + i) & 7);
+    float s[16], o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+    const u32 k0 = smem_addr(sk), v0 = k0 + 32 * 256 * 2;
+    const long long t0 = clock64();
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s[i] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 16; ++k) wgmma_rs_n32_t0(s, a[k], wg_desc(k0 + k * 256, 128, 4096));
+        wg_commit();
+        wg_wait0();
+        wg_keep<16>(s);
+        wg_keep<128>(o);
+        u32 p[2][4];
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p[k][i] = pack2(s[8 * k + 2 * i], s[8 * k + 2 * i + 1]);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 2; ++k) wgmma_rs_n256_t1(o, p[k], wg_desc(v0 + k * 2 * 32 * 128, 32 * 128, 128));
+        wg_commit();
+    }
+    wg_wait0();
+    wg_keep<128>(o);
+    const long long t1 = clock64();
+    float r = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) r += o[i];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = r;
+    if (threadIdx.x % 128 == 0) cycles[2 * blockIdx.x + wg] = t1 - t0;
+}

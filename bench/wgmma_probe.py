@@ -10,9 +10,11 @@ in its own process (a descriptor that points outside shared memory is a fatal il
   MN-major, for both assignments of the two core-matrix strides to the descriptor's leading and
   stride byte offsets: max error against float64 and whether the bits equal mma.sync's;
 - `--loops`: TFLOP/s of wgmma m64n256k16 from shared memory and of mma.sync from registers on
-  every SM, operands that never leave the SM (each instruction's ceiling, not a kernel's).
+  every SM, operands that never leave the SM (each instruction's ceiling, not a kernel's);
+- `--chains`: clock cycles of a 16-step wgmma chain on one accumulator (S = Q K^T's shape at
+  head_dim 256), waited, by N and A's source, and of the flash walk's products a key block.
 
-Usage (H200): python -m bench.wgmma_probe [--loops] [--compile-only]
+Usage (H200): python -m bench.wgmma_probe [--loops] [--chains] [--compile-only]
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def source() -> str:
     fns = [wgmma_function(f"wgmma_ss_n64_t{t}", 64, False, bool(t)) for t in (0, 1)]
     fns += [wgmma_function(f"wgmma_rs_n64_t{t}", 64, True, bool(t)) for t in (0, 1)]
     fns.append(wgmma_function("wgmma_ss_n256_t0", 256, False, False))
+    fns += [wgmma_function(f"wgmma_{src}_n{n}_t{t}", n, src == "rs", bool(t))
+            for src, n, t in (("rs", 32, 0), ("ss", 32, 0), ("rs", 128, 0), ("rs", 256, 0), ("rs", 256, 1))]
     return flash_wgmma.source() + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", "\n".join(fns))
 
 
@@ -88,10 +92,47 @@ def loops(module: Module) -> None:
         print(f"| {name} | {sms} x 256 | {best * 1e3:.2f} | {sms * iters * flops / best / 1e12:.0f} |")
 
 
+CHAINS = (("chain_rs_n32", 32, "registers"), ("chain_ss_n32", 32, "shared"), ("chain_rs_n64", 64, "registers"),
+          ("chain_ss_n64", 64, "shared"), ("chain_rs_n128", 128, "registers"), ("chain_rs_n256", 256, "registers"))
+"""(kernel, N, where A is) of `--chains` (wgmma_probe.cu's chain_loop)."""
+
+
+def chains(module: Module, iters: int = 2000) -> None:
+    """Print each 16-step chain's clock cycles (the median warpgroup's, two warpgroups an SM on
+    every SM; `iters` chains each), the multiply-adds an SM did a cycle (the tensor cores' dense
+    bf16 peak is 2048: 989 TFLOP/s over 132 SMs at 1.83 GHz) and TFLOP/s by wall time; then the
+    same for the walk's products a key block (`chain_walk`)."""
+    from numba import cuda
+
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    out = cuda.device_array(sms * 256, np.float32)
+    cycles = cuda.device_array(2 * sms, np.int64)
+    rows = [(name, n, a, "each", (2 * 64 + n) * 256 * 2, 16 * 64 * n * 16) for name, n, a in CHAINS]
+    rows.append(("chain_walk", "32 + 2 x 256", "registers", "S each, P V in flight", 2 * 32 * 256 * 2,
+                 16 * 64 * 32 * 16 + 2 * 64 * 256 * 16))
+    print("\n| kernel | N | A | waited | cycles a chain (a warpgroup) | MACs an SM a cycle | TFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, n, a, wait, shared, macs in rows:
+        module.function(name, shared)
+        module.launch(name, (sms, 1), 256, shared, out, cycles, 10)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            module.launch(name, (sms, 1), 256, shared, out, cycles, iters)
+            best = min(best, time.perf_counter() - t0)
+        per_chain = float(np.median(cycles.copy_to_host())) / iters
+        print(f"| {name} | {n} | {a} | {wait} | {per_chain:.0f} | {2 * macs / per_chain:.0f} | "
+              f"{sms * 2 * iters * 2 * macs / best / 1e12:.0f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.wgmma_probe", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loops", action="store_true", help="also time the wgmma and mma.sync loops")
+    parser.add_argument("--chains", action="store_true",
+                        help="also time 16-step wgmma chains by N and operand source (S's shape) and the walk's products")
+    parser.add_argument("--no-layouts", action="store_true",
+                        help="skip the descriptor-layout and bit cases (with --loops or --chains: timing only)")
     parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--cubin", help=argparse.SUPPRESS)
@@ -107,6 +148,19 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(x for x in log.splitlines() if "Used" in x or "spill" in x or "C75" in x))
     if args.compile_only:
         return
+    if not args.no_layouts:
+        layouts(cubin)
+    if args.loops or args.chains:
+        module = Module(cubin)
+        if args.loops:
+            loops(module)
+        if args.chains:
+            chains(module)
+
+
+def layouts(cubin: bytes) -> None:
+    """Run every descriptor-layout case in its own process and print max error and bits against
+    chained mma.sync."""
     tmp = tempfile.mkdtemp(prefix="wgmma_probe")
     cubin_path = os.path.join(tmp, "probe.cubin")
     Path(cubin_path).write_bytes(cubin)
@@ -128,8 +182,6 @@ def main(argv: list[str] | None = None) -> None:
             diff = int((np.load(os.path.join(tmp, case.replace(":", "_") + ".npy")).view(np.uint32) != mma).sum())
             bits = "equal" if diff == 0 else f"{diff} of 4096 differ"
         print(f"| {case} | {r if isinstance(r, str) else f'{r:.3g}'} | {bits} |")
-    if args.loops:
-        loops(Module(cubin))
 
 
 if __name__ == "__main__":

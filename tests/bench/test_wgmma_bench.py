@@ -49,7 +49,7 @@ def test_the_probe_source_appends_its_kernels_and_functions_to_the_walks():
     text = probe_source()
     assert text.index("flash_wgmma_walk_256") < text.index("gemm_ss(")
     assert "@WGMMA_FUNCTIONS@" not in text
-    assert len(re.findall(r"void wgmma_(ss|rs)_n\d+_t[01]\(", text)) == 5
+    assert len(re.findall(r"void wgmma_(ss|rs)_n\d+_t[01]\(", text)) == 10
 
 
 def test_without_cuda_bindings_the_benches_say_what_to_install(monkeypatch, capsys):
