@@ -1,11 +1,14 @@
-"""The wgmma walks of bench/flash_wgmma.cu (experiments the backend does not use: `walk`, 8 warps,
-Q in registers; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `pairs`, 4
-warps, Q in shared memory, S for two key blocks at once; `halves`, two warpgroups splitting
-head_dim on the same 64 rows; `walk-heads`, not yet run) against the production flash attention walk
-(`attention_flash.prefill`, mma.sync, 8 warps, not split) on the same inputs: every output bit
-compared, CUDA-event ms (median of 5) and TFLOP/s (causal: 4 x head_dim x q_heads x the keys each
-row sees). Issue 5: the 9B 32K TTFT needs attention at about twice its speed; bench/RESULTS.md,
-session 26, has the tables and why none of the three is faster at long chunks yet.
+"""The backend's prefill attention walks side by side, and the wgmma experiments of
+bench/flash_wgmma.cu: the mma.sync walk (`attention_flash.prefill(..., wgmma=False)`, 8 warps, not
+split) against the backend's wgmma walk (`wgmma=True`: executor/numba_cuda/flash_wgmma.cu, K/V in
+the 128-byte swizzle) and the experiments named by --kernels (`walk`, 8 warps, Q in registers, K/V
+as no-swizzle core matrices; `walk-late`, its copies after P V; `walk-fixed`, also with fixed copy
+addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `walk-heads`,
+CTAs that run together on different K/V heads; `pairs`, 4 warps, Q in shared memory, S for two key
+blocks at once; `halves`, two warpgroups splitting head_dim on the same 64 rows), on the same
+inputs: every output bit compared with the mma.sync walk's, CUDA-event ms (median of 5) and
+TFLOP/s (causal: 4 x head_dim x q_heads x the keys each row sees). `--clocks`: walk's and
+walk-fixed's block time by phase. bench/RESULTS.md, sessions 26 and 27.
 
 Usage (H200): python -m bench.flash_wgmma [--cases 27b:51@1984,9b:8192@24576] [--kernels walk,walk-heads]
 [--clocks] [--compile-only]
@@ -18,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.nvrtc_cubin import Module, compile_cubin, wgmma_function
+from executor.numba_cuda import attention_wgmma
+from executor.numba_cuda.nvrtc import Module, compile_cubin, wgmma_function
 from executor.safetensors_file import f32_to_bf16
 
 SOURCE = Path(__file__).with_name("flash_wgmma.cu")
@@ -31,8 +35,6 @@ KERNELS = {
     "pingpong": ("flash_wgmma_pingpong_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "walk-late": ("flash_wgmma_walk_late_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "walk-fixed": ("flash_wgmma_walk_fixed_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
-    "walk-swz": ("flash_wgmma_walk_swz_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4 + 1024),
-    "walk-swz2": ("flash_wgmma_walk_swz2_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4 + 1024),
     "walk-heads": ("flash_wgmma_walk_heads_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "pairs": ("flash_wgmma_pairs_256", 128, 64, 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 4 * 16 * 256 * 4),
     "halves": ("flash_wgmma_halves_256", 256, 64, 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2),
@@ -45,23 +47,21 @@ same 64 rows (head_dim split), Q, a ring of 3 pairs."""
 
 HEADS_FAST = {"flash_wgmma_walk_heads_256"}
 """Kernels launched on a one-dimensional grid, the K/V head varying fastest (Tile's heads_fast)."""
-CLOCKS_KERNELS = {"walk": "flash_wgmma_walk_clocks_256", "walk-fixed": "flash_wgmma_walk_fixed_clocks_256",
-                  "walk-swz": "flash_wgmma_walk_swz_clocks_256"}
+CLOCKS_KERNELS = {"walk": "flash_wgmma_walk_clocks_256", "walk-fixed": "flash_wgmma_walk_fixed_clocks_256"}
 """`walk` and `walk-fixed` with their warps' cycles charged to phases (`--clocks`; one more
 argument: u64 [10])."""
 PHASES = ("copy wait + barrier", "S (with P V before)", "2nd barrier", "copy issue", "softmax + P V issue",
           "fold", "before the walk", "gated write")
 """flash_wgmma_walk's CLOCKS phases 0-7, in order (bench/flash_wgmma.cu)."""
-DEFAULT_KERNELS = "walk,pingpong,pairs,halves"
-"""`walk-heads` (walk with CTAs that run together on different K/V heads, against L2 hot spots)
-was written after session 26's device time ran out: not yet run on a GPU, so not a default."""
+DEFAULT_KERNELS = "walk"
+"""The experiment shown by default besides the backend's two walks (the others: --kernels)."""
 
 
 def source() -> str:
-    """flash_attention.cu's text, then flash_wgmma.cu's with its two wgmma functions generated in."""
-    fns = (wgmma_function("wgmma_s", 32, True, False) + wgmma_function("wgmma_o", 256, True, True)
-           + wgmma_function("wgmma_s64", 64, False, False) + wgmma_function("wgmma_o128", 128, True, True))
-    return PRODUCTION.read_text() + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", fns)
+    """The backend's wgmma walk source (attention_wgmma.source: flash_attention.cu, then
+    executor/numba_cuda/flash_wgmma.cu), then flash_wgmma.cu's with its two more wgmma functions."""
+    fns = wgmma_function("wgmma_s64", 64, False, False) + wgmma_function("wgmma_o128", 128, True, True)
+    return attention_wgmma.source() + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", fns)
 
 
 def parse_cases(text: str) -> list[tuple[str, int, int]]:
@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     from numba import cuda
 
     from executor.numba_cuda import attention_flash
+    from executor.numba_cuda.device import chunk_meta
 
     module = Module(cubin)
-    walk_shared = KERNELS["walk"][3] + 1024  # the swizzled ring aligns itself to 1024 bytes
+    walk_shared = KERNELS["walk"][3]
     for kernel in CLOCKS_KERNELS.values():
         module.function(kernel, walk_shared)
     for kernel, threads, _, shared in KERNELS.values():
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     clock_rows = []
     rng = np.random.default_rng(26)
     d = 256
-    print("\n| model | rows at start | kernel | ms | speed-up | TFLOP/s | bits equal to production |")
+    print("\n| model | rows at start | kernel | ms | speed-up | TFLOP/s | bits equal to the mma.sync walk |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for model, rows, start in cases:
         q_heads, kv_heads = HEADS[model]
@@ -144,9 +145,17 @@ def main(argv: list[str] | None = None) -> None:
         kc, vc = cuda.to_device(f32_to_bf16(kv[:1])), cuda.to_device(f32_to_bf16(kv[1:]))
         ref = cuda.device_array((rows, q_heads * d), np.uint16)
         flops = 4 * d * q_heads * (rows * start + rows * (rows + 1) // 2)
-        t_ref = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=ref, warps=8, split=False))
+        meta = chunk_meta(None, rows, start, 0)  # uploaded once, as the backend passes its own
+        t_ref = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=ref, warps=8, split=False,
+                                                      wgmma=False, meta=meta))
         a = ref.copy_to_host()
-        print(f"| {model} | {rows} at {start} | production (mma.sync) | {t_ref:.3f} | 1 | {flops / t_ref / 1e9:.0f} | |")
+        print(f"| {model} | {rows} at {start} | mma.sync walk | {t_ref:.3f} | 1 | {flops / t_ref / 1e9:.0f} | |")
+        out = cuda.device_array((rows, q_heads * d), np.uint16)
+        t_new = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=out, split=False, wgmma=True,
+                                                      meta=meta))
+        diff = int((a != out.copy_to_host()).sum())
+        print(f"| {model} | {rows} at {start} | **wgmma walk (backend)** | {t_new:.3f} | {t_ref / t_new:.2f}x | "
+              f"{flops / t_new / 1e9:.0f} | {'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
         for label in kernels:
             kernel, threads, tile_rows, shared = KERNELS[label]
             out = cuda.device_array((rows, q_heads * d), np.uint16)

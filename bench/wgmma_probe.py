@@ -1,7 +1,7 @@
 """Is wgmma reachable, how does it read shared memory, and does it give mma.sync's bits?
 (issue 5, the road to a flash attention on wgmma; bench/RESULTS.md, session 26)
 
-NVRTC compiles bench/wgmma_probe.cu for sm_90a to a cubin (`bench.nvrtc_cubin`); each case runs
+NVRTC compiles bench/wgmma_probe.cu for sm_90a to a cubin (`executor.numba_cuda.nvrtc`); each case runs
 in its own process (a descriptor that points outside shared memory is a fatal illegal address):
 
 - one 64 x 64 x 64 product C = A B^T by chained mma.sync m16n8k16 (k-steps in order), the bits
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import flash_wgmma
-from bench.nvrtc_cubin import Module, compile_cubin, wgmma_function
+from executor.numba_cuda.nvrtc import Module, compile_cubin, wgmma_function
 from executor.safetensors_file import bf16_to_f32, f32_to_bf16
 
 SOURCE = Path(__file__).with_name("wgmma_probe.cu")

@@ -21,12 +21,14 @@ Not available under the CUDA simulator (no NVRTC, no mma): `available` says why.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import numba
 import numpy as np
 from numba import cuda
 
+from executor.numba_cuda import attention_wgmma
 from executor.numba_cuda.device import IS_SIMULATOR, check, chunk_meta, device_pointer, empty
 from executor.numba_cuda.launch import allow_dynamic_shared, fast
 
@@ -178,7 +180,8 @@ def split_segments(rows: int, q_heads: int, kv_heads: int, head_dim: int, keys: 
 
 
 def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None,
-            meta=None, stages: int | None = None, split: bool | None = None, keys: int | None = None):
+            meta=None, stages: int | None = None, split: bool | None = None, keys: int | None = None,
+            wgmma: bool | None = None):
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
@@ -202,6 +205,10 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     which sizes a split's partials and its CTAs (at least start + rows, at most the
     capacity); None: start + rows, or with meta the capacity (a captured chunk replays at
     any start: SPLIT_GRID_Z CTAs a tile, each taking every 16th segment). No bit depends on it.
+    wgmma: a chunk that walks (not split) at head_dim 256 runs attention_wgmma's walk (the same
+    bits, 1.7-1.8x faster on the H200) when True, the mma.sync walk when False, and when None the
+    first if `wgmma_status()` is None (warps and stages then do not apply to it); with True a walk
+    raises RuntimeError naming why where it cannot run. Split chunks and other head_dims ignore it.
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -252,6 +259,11 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     slot_bytes = capacity * kv_heads * head_dim * 2
     meta = chunk_meta(meta, rows, start, slot, stream)
     scale = np.float32(1.0 / np.sqrt(head_dim))
+    if not split and head_dim == attention_wgmma.HEAD_DIM and wgmma is not False:
+        if wgmma or wgmma_status() is None:  # True: attention_wgmma raises where it cannot run
+            attention_wgmma.launch(q, qg, kcache, vcache, slot_bytes, out, meta, rows, q_heads, kv_heads, scale,
+                                   stream)
+            return out
     if not split:
         launch[(tiles, kv_heads), threads, stream, nbytes](
             device_pointer(q), device_pointer(qg), device_pointer(kcache), device_pointer(vcache), slot_bytes,
@@ -265,6 +277,38 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     combine_kernel(head_dim)[(rows, q_heads), max(1, head_dim // 2), stream](
         device_pointer(partials), device_pointer(ml), device_pointer(qg), device_pointer(out), rows, meta, q_heads)
     return out
+
+
+@functools.cache
+def wgmma_status() -> str | None:
+    """None when `prefill` may walk on wgmma (attention_wgmma) here, else why not: it cannot be
+    built (`attention_wgmma.unavailable`, or NVRTC fails), WARMSTATE_FLASH_WGMMA=0 turned it off,
+    or its bits differ from the mma.sync walk's on a check run now (random q, K, V and gates,
+    4 query heads on 1 K/V head, 300 rows from 200 and 96 from 0: masked and unmasked blocks,
+    several segments, a partial last tile, slot 1 of 2). Decided once a process; it launches and
+    synchronizes, so the first prefill calls it before any stream capture."""
+    if os.environ.get("WARMSTATE_FLASH_WGMMA", "1") == "0":
+        return "turned off by WARMSTATE_FLASH_WGMMA=0"
+    why = attention_wgmma.unavailable()
+    if why is not None:
+        return why
+    try:
+        attention_wgmma.module()
+    except Exception as exc:  # noqa: BLE001 - NVRTC or the driver: the mma.sync walk runs
+        return f"{type(exc).__name__}: {str(exc)[-300:]}"
+    rng = np.random.default_rng(27)
+    d, q_heads, capacity = attention_wgmma.HEAD_DIM, 4, 512
+    caches = (rng.standard_normal((2, 2, capacity, 1, d)) * 2).astype(np.float32)
+    bits = [cuda.to_device((c.view(np.uint32) >> 16).astype(np.uint16)) for c in caches]
+    for rows, start in ((300, 200), (96, 0)):
+        q = cuda.to_device((rng.standard_normal((rows, q_heads, d)) * 3).astype(np.float32))
+        qg = cuda.to_device(rng.standard_normal((rows, q_heads * 2 * d)).astype(np.float32))
+        want = prefill(q, qg, *bits, 1, start, split=False, wgmma=False).copy_to_host()
+        got = prefill(q, qg, *bits, 1, start, split=False, wgmma=True).copy_to_host()
+        if (want != got).any():
+            return (f"the wgmma walk's bits differ from the mma.sync walk's ({int((want != got).sum())} of "
+                    f"{want.size} at {rows} rows from {start})")
+    return None
 
 
 def probe(head_dim: int, kv_heads: int = 1, group: int = 2) -> None:

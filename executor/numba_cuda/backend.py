@@ -4,7 +4,8 @@
 Numerics: weights bf16, residual stream fp32, every GEMM input bf16 and output fp32.
 Prefill GEMMs run on cuBLASLt with a pinned row-invariant algorithm at every row count;
 prefill attention on the tensor cores (attention_flash.py: one fused pass, mma.sync through a
-linked CUDA C++ device function; else attention_mm.py: pinned cuBLASLt QK^T and PV; a row's
+linked CUDA C++ device function, a long chunk's walk on wgmma where the GPU has it with the same
+bits, attention_wgmma.py; else attention_mm.py: pinned cuBLASLt QK^T and PV; a row's
 bits independent of its chunk and tile either way); the prefill delta rule in its chunked form with
 64-row sub-chunks at absolute multiples of 64, on the tensor cores (delta_mma.py: tf32 mma.sync
 through linked CUDA C++; else delta_chunked.py on the CUDA cores); decode GEMMs and
@@ -217,7 +218,9 @@ class NumbaCudaBackend:
         invalid WARMSTATE_PREFILL_ATTENTION raises from the constructor)."""
         if self._prefill_attention is None:
             self._prefill_attention = self._choose_prefill_attention()
-            log.info("prefill_attention", path=self._prefill_attention, passed_over=self.attention_failures)
+            wgmma = attention_flash.wgmma_status() if self._prefill_attention == "flash" else "not the flash path"
+            log.info("prefill_attention", path=self._prefill_attention, passed_over=self.attention_failures,
+                     wgmma_walk="on" if wgmma is None else f"off: {wgmma}")
         return self._prefill_attention
 
     @prefill_attention.setter

@@ -1,4 +1,4 @@
-"""The CPU side of the wgmma benchmarks (bench/nvrtc_cubin.py, bench/flash_wgmma.py): the
+"""The CPU side of the wgmma benchmarks (executor/numba_cuda/nvrtc.py, bench/flash_wgmma.py): the
 generated wgmma functions' operand numbering and the case parser. The kernels run on the H200
 only (bench/RESULTS.md, session 26)."""
 
@@ -7,7 +7,7 @@ import re
 import pytest
 
 from bench.flash_wgmma import parse_cases, source
-from bench.nvrtc_cubin import wgmma_function
+from executor.numba_cuda.nvrtc import wgmma_function
 from bench.wgmma_probe import source as probe_source
 
 

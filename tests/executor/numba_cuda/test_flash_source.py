@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from executor.numba_cuda import attention_flash
 
 ENTRIES = re.compile(r"^FLASH_ENTRIES\((\d+), (\d+), (\d+), (\d+)\)$", re.M)
@@ -60,3 +62,49 @@ def test_rms_norm_source_instantiates_exactly_the_fused_variants():
                                                            norms.FUSED_SOURCE.read_text(), re.M)}
     assert found == {(t, v) for t, most in norms.FUSED_VEC.items() for v in range(1, most + 1)}
     assert norms.FUSED_VEC == {256: 8, 1024: 2}
+
+
+def test_the_wgmma_walk_source_appends_its_kernel_and_functions_to_the_mma_sync_source():
+    """attention_wgmma's cubin source: flash_attention.cu's text (the helpers it calls), then
+    flash_wgmma.cu's with the two wgmma functions generated at the marker."""
+    from executor.numba_cuda import attention_wgmma
+
+    text = attention_wgmma.source()
+    assert text.startswith(attention_flash.SOURCE.read_text())
+    assert "@WGMMA_FUNCTIONS@" not in text
+    assert len(re.findall(r"void wgmma_s\(float \(&d\)\[16\], const u32\* a", text)) == 1
+    assert len(re.findall(r"void wgmma_o\(float \(&d\)\[128\], const u32\* a", text)) == 1
+    assert "m64n256k16.f32.bf16.bf16" in text and "m64n32k16.f32.bf16.bf16" in text
+    assert f"void __launch_bounds__({attention_wgmma.THREADS}, 1)\n    {attention_wgmma.KERNEL}(" in text
+    assert attention_wgmma.FLASH_SOURCE == attention_flash.SOURCE
+
+
+def test_the_wgmma_walk_fits_a_cta_with_its_alignment():
+    from executor.numba_cuda import attention_wgmma
+
+    ring = attention_wgmma.STAGES * 2 * attention_flash.BLOCK_KEYS * 256 * 2
+    assert attention_wgmma.SHARED_BYTES == ring + 8 * 16 * 256 * 4 + 1024 <= attention_flash.MAX_SHARED_BYTES
+    assert attention_wgmma.TILE_ROWS == attention_wgmma.THREADS // 32 * 16
+
+
+def test_without_a_gpu_the_walk_stays_on_mma_sync_and_says_why():
+    from executor.numba_cuda import attention_wgmma
+    from executor.numba_cuda.device import is_gpu_available
+
+    if is_gpu_available():
+        pytest.skip("a GPU is here")
+    why = attention_flash.wgmma_status()
+    assert why in ("no CUDA GPU", "cuda-bindings is not installed") or "simulator" in why
+    assert attention_wgmma.unavailable() == why
+
+
+def test_stream_handles_for_driver_launches():
+    from executor.numba_cuda.nvrtc import stream_handle
+
+    class Handle:
+        value = 0x1234
+
+    class Stream:
+        handle = Handle()
+
+    assert stream_handle(0) == 0 and stream_handle(None) == 0 and stream_handle(Stream()) == 0x1234

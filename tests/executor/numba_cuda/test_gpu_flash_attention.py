@@ -1,7 +1,9 @@
 """The fused tensor-core prefill attention (attention_flash.py, flash_attention.cu) on a
 real GPU: values against the float64 twin and the serving roundings, against the matrix
 path, and a row's bits independent of the chunk it sits in, the cut (on or off the
-64-row grid), a tail, and the other rows of its warp. Marked `cuda`: the CUDA simulator
+64-row grid), a tail, and the other rows of its warp; the walk on wgmma (attention_wgmma.py,
+flash_wgmma.cu: the default walk at head_dim 256 on the H200) bit for bit against the mma.sync
+walk. Marked `cuda`: the CUDA simulator
 cannot run a linked CUDA C++ device function (no NVRTC, no mma), so these skip without a
 GPU; the backend then uses the matrix path, whose cases run under the simulator.
 """
@@ -83,7 +85,8 @@ def test_flash_bits_do_not_depend_on_warps_per_cta(heads, kv_heads):
     _, _, kc, vc = _setup(r, heads, kv_heads, 256, capacity=1024, slots=1)
     q, qg = _inputs(r, 301, heads, 256)
     with poisoned():
-        runs = [host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, 100, warps=w)) for w in (1, 2, 4, 8)]
+        runs = [host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, 100, warps=w, wgmma=False))
+                for w in (1, 2, 4, 8)]
     for w, run in zip((1, 2, 4), runs):
         assert np.array_equal(run, runs[-1]), f"{w} warps"
     assert 301 * heads // kv_heads <= attention_flash.SHORT_VIRTUAL_ROWS
@@ -103,7 +106,9 @@ def test_flash_bits_do_not_depend_on_the_ring_depth(heads, kv_heads, head_dim, s
     assert len({st for _, st, _ in variants}) > 1 or head_dim != 256
     with poisoned():
         runs = {(w, st, sp): host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, warps=w,
-                                                          stages=st, split=sp)) for w, st, sp in variants}
+                                                          stages=st, split=sp, wgmma=False))
+                for w, st, sp in variants}
+        runs["default"] = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, split=False))
     first = runs[variants[0]]
     for key, run in runs.items():
         assert np.array_equal(run, first), f"warps, stages, split = {key}"
@@ -206,3 +211,90 @@ def test_flash_rejects_bad_shapes_and_leaves_other_slots():
 def test_probe_passes():
     for head_dim in attention_flash.WARPS:
         attention_flash.probe(head_dim)
+
+
+WGMMA = pytest.mark.skipif(attention_flash.wgmma_status() is not None,
+                           reason=f"no wgmma walk here: {attention_flash.wgmma_status()}")
+
+
+def test_the_wgmma_walk_runs_on_the_h200():
+    """Where the GPU is an H100/H200 (sm_90) the backend walks on wgmma: the status is None
+    (built, and its check against the mma.sync walk passed)."""
+    from numba import cuda
+
+    if tuple(cuda.get_current_device().compute_capability) == (9, 0):
+        assert attention_flash.wgmma_status() is None
+
+
+@WGMMA
+@pytest.mark.parametrize("heads,kv_heads,start,rows,slot", [
+    (24, 4, 1984, 51, 1), (24, 4, 0, 2000, 0), (16, 4, 300, 700, 1), (16, 4, 1000, 1500, 0), (8, 2, 31, 33, 1),
+    (16, 4, 0, 1, 0), (24, 4, 4000, 16, 1), (16, 4, 2043, 5, 1),
+])
+def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, rows, slot):
+    """Every output bit of the wgmma walk equals the mma.sync walk's: the 27B's off-grid
+    chunk and a long one from 0, the 9B's heads, a 2B-like 8 on 2, one row, a short chunk deep
+    in the cache, rows straddling 256-key segments and partial 128-row tiles, slot 0 and 1 (q
+    scaled so the softmax's maxima move)."""
+    r = rng()
+    _, _, kc, vc = _setup(r, heads, kv_heads, 256, capacity=4096, slots=2)
+    q, qg = _inputs(r, rows, heads, 256)
+    q *= 4
+    with poisoned():
+        mma = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, slot, start, split=False,
+                                           wgmma=False))
+        wgmma = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, slot, start, split=False,
+                                             wgmma=True))
+    np.testing.assert_array_equal(wgmma, mma)
+
+
+@WGMMA
+@pytest.mark.parametrize("start,used", [(1984, 300), (0, 640), (4500, 1)])
+def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used):
+    """A walk launched for a graph (meta on the device, 640 padded rows: a grid of their
+    tiles) gives its rows in use the bits of an eager call and leaves the padded rows alone."""
+    from executor.numba_cuda.device import chunk_meta
+    r = rng()
+    heads, kv_heads, padded = 16, 4, 640
+    _, _, kc, vc = _setup(r, heads, kv_heads, 256, capacity=8192, slots=2)
+    q, qg = _inputs(r, padded, heads, 256)
+    out = to_device(np.full((padded, heads * 256), 0x7FC1, np.uint16))
+    with poisoned():
+        attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 1, 0, out=out, meta=chunk_meta(None, used, start, 1),
+                                split=False, wgmma=True)
+    got = out.copy_to_host()
+    with poisoned():
+        alone = host(attention_flash.prefill(to_device(q[:used]), to_device(qg[:used]), kc, vc, 1, start,
+                                             split=False, wgmma=False))
+    np.testing.assert_array_equal(got[:used], alone)
+    assert (got[used:] == 0x7FC1).all()
+
+
+@WGMMA
+def test_the_wgmma_walk_depends_on_the_keys_it_reads():
+    """The planted break: a key past a row's position does not move the wgmma walk's row, a
+    key before it does (a walk that read the wrong layout would fail the bit tests above)."""
+    r = rng()
+    kh, vh, kc, vc = _setup(r, 16, 4, 256, capacity=512, slots=1)
+    q, qg = _inputs(r, 1, 16, 256)
+
+    def walk(values):
+        with poisoned():
+            return host(attention_flash.prefill(to_device(q), to_device(qg), kc, values, 0, 300, split=False,
+                                                wgmma=True))
+
+    base = walk(vc)
+    for key, moves in ((301, False), (5, True), (299, True)):
+        vh2 = vh.copy()
+        vh2[0, key] ^= 0x0100
+        assert (not np.array_equal(walk(to_device(vh2)), base)) == moves, key
+
+
+def test_wgmma_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("WARMSTATE_FLASH_WGMMA", "0")
+    attention_flash.wgmma_status.cache_clear()
+    try:
+        assert attention_flash.wgmma_status() == "turned off by WARMSTATE_FLASH_WGMMA=0"
+    finally:
+        monkeypatch.delenv("WARMSTATE_FLASH_WGMMA")
+        attention_flash.wgmma_status.cache_clear()

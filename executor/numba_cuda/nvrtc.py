@@ -1,13 +1,17 @@
 """CUDA C++ compiled by NVRTC to a cubin for an arch-specific target (sm_90a: wgmma), loaded and
-launched through the CUDA driver in numba's context, for benchmarks of kernels that numba's
-`link=` cannot build (it compiles for the plain target, sm_90, which rejects wgmma).
+launched through the CUDA driver in numba's context, on numba's memory and streams: for kernels
+that numba's `link=` cannot build (it compiles for the plain target, sm_90, which rejects
+wgmma): the prefill attention walk of attention_wgmma.py and the benchmarks in bench/.
 
-Needs cuda-bindings (numba-cuda's dependency) and a GPU; nothing here runs in CI.
+Needs cuda-bindings (numba-cuda's dependency) and a GPU; in CI only `wgmma_function` (text) runs.
+A launch on a stream that is being captured joins the capture (graphs.PrefillGraphs).
 """
 
 from __future__ import annotations
 
 import ctypes
+
+import numpy as np
 
 
 def wgmma_function(name: str, n: int, a_registers: bool, transpose_b: bool) -> str:
@@ -47,19 +51,24 @@ def compile_cubin(source: str, name: str, arch: str = "sm_90a") -> tuple[bytes, 
         raise RuntimeError("NVRTC needs cuda-bindings (numba-cuda's dependency: pip install -e '.[cuda]'); "
                            "the kernels then need an NVIDIA H100/H200 (sm_90a)") from None
 
+    # NVRTC writes into the buffers it is given: bytearrays of our own, never `b" " * size`,
+    # which for a one-byte log (empty: just its NUL) is CPython's shared b" " object itself
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
-    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    log = log.decode(errors="replace").rstrip("\x00 \n")
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"NVRTC ({arch}): {err}\n{log[-4000:]}")
-    _, size = nvrtc.nvrtcGetCUBINSize(prog)
-    cubin = b" " * size
-    nvrtc.nvrtcGetCUBIN(prog, cubin)
-    return cubin, log
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buffer = bytearray(size)
+        nvrtc.nvrtcGetProgramLog(prog, buffer)
+        log = bytes(buffer).decode(errors="replace").rstrip("\x00 \n")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC ({arch}): {err}\n{log[-4000:]}")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        buffer = bytearray(size)
+        nvrtc.nvrtcGetCUBIN(prog, buffer)
+        return bytes(buffer), log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def check(result):
@@ -73,8 +82,8 @@ def check(result):
 
 
 class Module:
-    """A cubin loaded into numba's current context: `launch` runs a `extern "C" __global__`
-    kernel on the legacy default stream (numba's stream 0) and waits for it."""
+    """A cubin loaded into numba's current context: `launch` runs an `extern "C" __global__`
+    kernel on a numba stream."""
 
     def __init__(self, cubin: bytes):
         from cuda.bindings import driver
@@ -82,7 +91,8 @@ class Module:
 
         cuda.current_context()  # numba's primary context, current on this thread
         self._driver = driver
-        self._module = check(driver.cuModuleLoadData(cubin))
+        self._image = bytes(cubin)  # kept while the module lives (a lazily loading driver may read it later)
+        self._module = check(driver.cuModuleLoadData(self._image))
         self._functions = {}
 
     def function(self, name: str, shared_bytes: int = 0):
@@ -103,22 +113,34 @@ class Module:
                 check(self._driver.cuFuncGetAttribute(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f)))
 
     def launch(self, name: str, grid: tuple[int, int], threads: int, shared_bytes: int, *args,
-               wait: bool = True) -> None:
-        """Launch `name` on grid (x, y) with `threads` a CTA; args: device arrays (passed as
-        pointers), Python ints (int32) or floats (float32). Raises RuntimeError on a launch or
-        (wait) execution error."""
+               wait: bool = True, stream=0) -> None:
+        """Launch `name` on grid (x, y) with `threads` a CTA and `shared_bytes` of dynamic shared
+        memory on `stream` (a numba stream, or 0: the legacy default stream); args: device arrays
+        (passed as pointers), numpy int64 (long long), other ints (int32), floats (float32).
+        Raises RuntimeError on a launch or (wait: synchronizes the context) execution error."""
         values, types = [], []
         for a in args:
             if hasattr(a, "__cuda_array_interface__"):
                 values.append(a.__cuda_array_interface__["data"][0])
                 types.append(ctypes.c_void_p)
-            elif isinstance(a, float):
-                values.append(a)
+            elif isinstance(a, (float, np.floating)):
+                values.append(float(a))
                 types.append(ctypes.c_float)
+            elif isinstance(a, np.int64):
+                values.append(int(a))
+                types.append(ctypes.c_longlong)
             else:
                 values.append(int(a))
                 types.append(ctypes.c_int)
         check(self._driver.cuLaunchKernel(self.function(name, shared_bytes), grid[0], grid[1], 1, threads, 1, 1,
-                                          shared_bytes, 0, (tuple(values), tuple(types)), 0))
+                                          shared_bytes, stream_handle(stream), (tuple(values), tuple(types)), 0))
         if wait:
             check(self._driver.cuCtxSynchronize())
+
+
+def stream_handle(stream) -> int:
+    """The CUstream of a numba stream as an int (0: the legacy default stream)."""
+    if stream == 0 or stream is None:
+        return 0
+    handle = stream.handle
+    return int(handle.value if hasattr(handle, "value") else handle) or 0

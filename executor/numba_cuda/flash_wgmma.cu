@@ -1,0 +1,224 @@
+// Prefill attention's walk with its two products on wgmma (sm_90a): flash_attention.cu's walk
+// (`flash_prefill<256, 8, 32, 3, false>`: one CTA of 8 warps walks every 256-key segment of its
+// 128 virtual rows, folding as it goes) with
+//   S = Q K_b^T   wgmma m64n32k16, Q from registers (load_q's fragments), K_b from shared memory,
+//                 K-major;
+//   O += P V_b    wgmma m64n256k16, P from registers (block_softmax's fragments), V_b from shared
+//                 memory, MN-major.
+// Everything else (the softmax, segments, fold, gate) is flash_attention.cu's own code, and
+// wgmma sums its k-steps as chained mma.sync m16n8k16 does (bench/RESULTS.md, session 26), so
+// every output bit is the mma.sync walk's: attention_wgmma.py checks it before first use and
+// tests/executor/numba_cuda/test_gpu_flash_attention.py on the H200.
+//
+// K and V blocks (32 keys) sit in shared memory in the 128-byte swizzle (PTX ISA, "Shared Memory
+// Matrix Layout", 128B swizzling; TMA's CU_TENSOR_MAP_SWIZZLE_128B): head_dim in chunks of 64
+// (128 bytes a key), chunk j of key r at j * 32 * 128 + r * 128 bytes, its 16-byte piece p at
+// (p ^ (r % 8)) * 16 inside, the ring 1024-byte aligned. A warp's copy reads four whole 128-byte
+// rows of a key head and writes 512 contiguous bytes (no bank conflict). Descriptors (PTX ISA,
+// "Matrix Descriptor Format", swizzle mode 1; measured on the H200, RESULTS.md session 27): K_b
+// (K-major) at chunk k / 4 plus 32 bytes a k-step inside it, stride byte offset 1024 (8 keys);
+// V_b (MN-major) at 2048 bytes a k-step (16 keys), leading byte offset 4096 (the next 64 dims),
+// stride byte offset 1024 (the next 8 keys); the other way round V's bits are wrong. The session
+// 26 walk on the no-swizzle core-matrix layout spent 43% of its time issuing the copies (each a
+// warp's 8 half-used rows) and ran no faster than mma.sync at 9B long chunks; this one 1.7-1.8x.
+//
+// Appended to flash_attention.cu's text with the two wgmma functions generated at the marker
+// (executor/numba_cuda/nvrtc.py: wgmma_function) and compiled by NVRTC for sm_90a to a cubin
+// launched through the driver (attention_wgmma.py).
+
+__device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);
+}
+// The same in the 128-byte swizzle (bits 62-63: 1).
+__device__ __forceinline__ unsigned long long wg_desc_128b(u32 addr, u32 lbo, u32 sbo) {
+    return wg_desc(addr, lbo, sbo) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Registers a wgmma wrote, pinned after its wait (else the compiler may read them before it).
+template <int N>
+__device__ __forceinline__ void wg_keep(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// wgmma_s (m64n32k16, A from registers, B K-major) and wgmma_o (m64n256k16, A from registers,
+// B MN-major), generated (their operand lists are long):
+// @WGMMA_FUNCTIONS@
+
+// A CTA's rows and key blocks: WARPS row groups of 16 virtual rows (warp w takes group w %
+// WARPS), tile = the CTA's index from the longest (gridDim.x - 1 - blockIdx.x), K/V head
+// blockIdx.y; `empty` when the tile starts past the chunk's virtual rows. As flash_prefill
+// works them out.
+template <int WARPS, int BN>
+struct Tile {
+    int group, h, warp, lane, g, t, vrows, cta_first, blocks, warp_first, warp_blocks, unmasked;
+    int pos[2];
+    bool empty;
+    // heads_fast: a one-dimensional grid of tiles x kv_heads CTAs, the K/V head varying fastest
+    // (CTAs that run together stream different heads' keys), longest tiles first.
+    __device__ __forceinline__ Tile(int rows, int start, int q_heads, int kv_heads, bool heads_fast = false) {
+        group = q_heads / kv_heads;
+        h = heads_fast ? blockIdx.x % kv_heads : blockIdx.y;
+        warp = threadIdx.x / 32 % WARPS;
+        lane = threadIdx.x % 32;
+        g = lane >> 2;
+        t = lane & 3;
+        vrows = rows * group;
+        cta_first = (heads_fast ? gridDim.x / kv_heads - 1 - blockIdx.x / kv_heads : gridDim.x - 1 - blockIdx.x) * WARPS * 16;
+        empty = cta_first >= vrows;
+        const int cta_last = min(cta_first + WARPS * 16, vrows) - 1;
+        blocks = (start + cta_last / group) / BN + 1;
+        warp_first = cta_first + warp * 16;
+        warp_blocks = warp_first < vrows ? (start + min(warp_first + 15, vrows - 1) / group) / BN + 1 : 0;
+        unmasked = warp_first < vrows ? (start + warp_first / group + 1) / BN : 0;
+        int vr[2], row[2], head[2];
+        row_pair(vr, row, head, warp_first, g, vrows, group, h);
+        pos[0] = start + row[0];
+        pos[1] = start + row[1];
+    }
+};
+
+// A warp's part of a walk (every wgmma walk: this file's and bench/flash_wgmma.cu's): its Tile,
+// the scale in log2 units, Q's fragments (load_q) and the key segment's running (m, l, O) with
+// their reset. Arrays indexed by constants only, so they live in registers.
+template <int D, int BN, int WARPS>
+struct WalkWarp {
+    const Tile<WARPS, BN> c;
+    const float scale2;
+    u32 qf[D / 16][4];
+    float acc[D / 8][4];
+    float m[2], l[2];
+    __device__ __forceinline__ WalkWarp(const float* q, int rows, int start, int q_heads, int kv_heads, float scale,
+                                        bool heads_fast = false)
+        : c(rows, start, q_heads, kv_heads, heads_fast), scale2(scale * 1.4426950408889634f) {
+        if (c.empty) return;
+        int vr[2], row[2], head[2];
+        row_pair(vr, row, head, c.warp_first, c.g, c.vrows, c.group, c.h);
+        load_q<D>(qf, q, row, head, q_heads, c.t);
+        reset();
+    }
+    __device__ __forceinline__ void reset() {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        m[0] = m[1] = NEG_INF;
+        l[0] = l[1] = 0.0f;
+    }
+};
+
+// Keys [block * BN, +BN) of one K/V head into the 128-byte swizzle at `dst` (see the header).
+// Thread x copies piece x % 8 of key x / 8 in every 64-dim chunk.
+template <int D, int BN, int THREADS>
+__device__ __forceinline__ void load_block_swizzled(u32 dst, const bf16_t* src, size_t row_stride, int block) {
+    static_assert(THREADS == 8 * BN, "a thread keeps one key and one piece of every chunk");
+    const int p = threadIdx.x % 8, r = threadIdx.x / 8;
+    const bf16_t* from = src + (size_t)(block * BN + r) * row_stride + p * 8;
+    const u32 to = dst + r * 128 + ((p ^ (r % 8)) * 16);
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) copy16(to + j * BN * 128, from + j * 64);
+}
+
+// The walk over key blocks [0, last) through a ring of STAGES (K, V) block pairs: for block b,
+// wait for its copy and a barrier, `scores(b, K_b)` (S_b issued and waited, with P_{b-1} V_{b-1}
+// before it), a barrier (every warpgroup is done with block b - 1), `values(b, V_b)` (softmax,
+// P_b V_b issued, not waited), then block b + STAGES - 1's copy into block b - 1's stage (it runs
+// under P_b V_b on the tensor cores); `segment_end(s0)` after each key segment. Every thread of
+// the CTA calls this.
+template <int D, int BN, int THREADS, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd>
+__device__ __forceinline__ void walk_blocks_swizzled(u32 ring0, const bf16_t* kbase, const bf16_t* vbase,
+                                                     size_t row_stride, int last, Scores scores, Values values,
+                                                     SegmentEnd segment_end) {
+    constexpr u32 BLOCK_BYTES = BN * D * 2;
+    auto load_pair = [&](int block) {  // K and V of `block` into its stage, one copy group (empty past last)
+        if (block < last) {
+            const u32 stage = ring0 + 2u * (block % STAGES) * BLOCK_BYTES;
+            load_block_swizzled<D, BN, THREADS>(stage, kbase, row_stride, block);
+            load_block_swizzled<D, BN, THREADS>(stage + BLOCK_BYTES, vbase, row_stride, block);
+        }
+        commit();
+    };
+    for (int p = 0; p < STAGES - 1; ++p) load_pair(p);
+    for (int s0 = 0; s0 < last; s0 += SEG) {
+        const int s1 = min(s0 + SEG, last);
+        for (int b = s0; b < s1; ++b) {
+            wait_groups<STAGES - 2>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
+            __syncthreads();  // block b is in for every thread
+            const u32 stage = ring0 + 2u * (b % STAGES) * BLOCK_BYTES;
+            scores(b, stage);
+            __syncthreads();  // every warpgroup is done with block b - 1
+            values(b, stage + BLOCK_BYTES);
+            load_pair(b + STAGES - 1);
+        }
+        segment_end(s0);
+    }
+    wait_groups<0>();
+    __syncthreads();
+}
+
+// The walk of one CTA (8 warps: 2 warpgroups of 64 virtual rows). Every block of the CTA runs in
+// both warpgroups (a divergent wgmma makes ptxas serialize them); a block past a warpgroup's rows
+// is masked for them, the same bits as skipping it.
+template <int D, int BN, int STAGES>
+__device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
+                                           bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale) {
+    constexpr int WARPS = 8;
+    constexpr int THREADS = WARPS * 32;
+    WalkWarp<D, BN, WARPS> w(q, rows, start, q_heads, kv_heads, scale);
+    const Tile<WARPS, BN>& c = w.c;
+    if (c.empty) return;
+    const size_t row_stride = (size_t)kv_heads * D;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    const u32 base = smem_addr(smem_bytes);
+    const u32 ring0 = base + ((1024 - (base & 1023)) & 1023);  // 1 KB more is launched
+    float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + 2 * STAGES * BN * D * 2),
+                                    c.warp, c.lane);
+
+    float s[BN / 8][4];
+    auto scores = [&](int b, u32 k_addr) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k)  // k-step k: chunk k / 4, 32 bytes a step inside it
+            wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), w.qf[k],
+                    wg_desc_128b(k_addr + (k / 4) * BN * 128 + (k % 4) * 32, 16, 1024));
+        wg_commit();
+        wg_wait0();
+        wg_keep<BN / 2>(&s[0][0]);
+        wg_keep<D / 2>(&w.acc[0][0]);
+    };
+    auto values = [&](int b, u32 v_addr) {
+        u32 pf[BN / 16][4];
+        block_softmax<D, BN>(pf, s, w.m, w.l, w.acc, c.pos, b, b >= c.unmasked, w.scale2, c.t);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < BN / 16; ++k)  // keys 16 k..: the next 64 dims BN * 128 bytes on, 8 keys 1024
+            wgmma_o(reinterpret_cast<float(&)[D / 2]>(w.acc), pf[k], wg_desc_128b(v_addr + k * 2048, BN * 128, 1024));
+        wg_commit();
+    };
+    float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
+    auto fold_segment = [&](int s0) {
+        wg_wait0();
+        wg_keep<D / 2>(&w.acc[0][0]);
+        if (s0 >= c.warp_blocks) return;
+        fold_into_total<D>(total, M, L, w.acc, w.m, w.l);
+        w.reset();
+    };
+    walk_blocks_swizzled<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring0, kc + (size_t)c.h * D, vc + (size_t)c.h * D, row_stride,
+                                                            c.blocks, scores, values, fold_segment);
+    write_gated<D>(out, qg, total, L, c.warp_first, c.g, c.t, c.vrows, c.group, c.h, q_heads);
+}
+
+// The launchable walk at head_dim 256 (grid: tiles of 128 virtual rows, kv_heads; 256 threads;
+// WGMMA_SHARED_BYTES of dynamic shared memory). meta (i32 device [3]) = (rows in use, start, slot),
+// read here so a captured chunk replays with other values; kc / vc: one layer's caches, slot s at
+// s * slot_bytes; CTAs whose tile starts past the rows in use return at once (a padded grid).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_prefill_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, long long slot_bytes,
+                            bf16_t* out, const int* meta, int q_heads, int kv_heads, float scale) {
+    const size_t slot = (size_t)meta[2] * (size_t)slot_bytes / sizeof(bf16_t);
+    wgmma_walk<256, 32, 3>(q, qg, kc + slot, vc + slot, out, meta[0], meta[1], q_heads, kv_heads, scale);
+}
