@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", default=DEFAULT_KERNELS,
                         help=f"comma-separated, of {', '.join(KERNELS)} (default: {DEFAULT_KERNELS})")
     parser.add_argument("--clocks", action="store_true",
-                        help="also run walk with its warps' clock cycles charged to phases (where a block's time goes)")
+                        help="also run walk and walk-fixed with their warps' clock cycles charged to phases "
+                             "(where a block's time goes)")
     parser.add_argument("--compile-only", action="store_true", help="compile, print ptxas' report, stop")
     args = parser.parse_args(argv)
     try:

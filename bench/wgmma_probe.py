@@ -1,5 +1,6 @@
 """Is wgmma reachable, how does it read shared memory, and does it give mma.sync's bits?
-(issue 5, the road to a flash attention on wgmma; bench/RESULTS.md, session 26)
+(issue 5, the road to the backend's flash attention walk on wgmma; bench/RESULTS.md, sessions 26
+and 27)
 
 NVRTC compiles bench/wgmma_probe.cu for sm_90a to a cubin (`executor.numba_cuda.nvrtc`); each case runs
 in its own process (a descriptor that points outside shared memory is a fatal illegal address):
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cubin", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.no_layouts and not (args.loops or args.chains or args.compile_only):
+        parser.error("--no-layouts leaves nothing to run without --loops or --chains")
     if args.case:
         return run_case(args.case, args.cubin, args.out)
     try:

@@ -206,7 +206,7 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     capacity); None: start + rows, or with meta the capacity (a captured chunk replays at
     any start: SPLIT_GRID_Z CTAs a tile, each taking every 16th segment). No bit depends on it.
     wgmma: a chunk that walks (not split) at head_dim 256 runs attention_wgmma's walk (the same
-    bits, 1.7-1.8x faster on the H200) when True, the mma.sync walk when False, and when None the
+    bits, 1.4-1.8x faster on the H200's 4096-8192-row chunks) when True, the mma.sync walk when False, and when None the
     first if `wgmma_status()` is None (warps and stages then do not apply to it); with True a walk
     raises RuntimeError naming why where it cannot run. Split chunks and other head_dims ignore it.
     """
@@ -283,19 +283,25 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
 def wgmma_status() -> str | None:
     """None when `prefill` may walk on wgmma (attention_wgmma) here, else why not: it cannot be
     built (`attention_wgmma.unavailable`, or NVRTC fails), WARMSTATE_FLASH_WGMMA=0 turned it off,
-    or its bits differ from the mma.sync walk's on a check run now (random q, K, V and gates,
-    4 query heads on 1 K/V head, 300 rows from 200 and 96 from 0: masked and unmasked blocks,
-    several segments, a partial last tile, slot 1 of 2). Decided once a process; it launches and
+    the check below raised (a launch or copy error: its type and message), or its bits differ from
+    the mma.sync walk's on that check, run now (random q, K, V and gates, 4 query heads on 1 K/V
+    head, 300 rows from 200 and 96 from 0: masked and unmasked blocks, several segments, a partial
+    last tile, slot 1 of 2). Decided once a process, whatever the outcome; it launches and
     synchronizes, so the first prefill calls it before any stream capture."""
-    if os.environ.get("WARMSTATE_FLASH_WGMMA", "1") == "0":
+    if os.environ.get("WARMSTATE_FLASH_WGMMA", "1").strip() == "0":
         return "turned off by WARMSTATE_FLASH_WGMMA=0"
     why = attention_wgmma.unavailable()
     if why is not None:
         return why
     try:
         attention_wgmma.module()
-    except Exception as exc:  # noqa: BLE001 - NVRTC or the driver: the mma.sync walk runs
+        return _wgmma_check()
+    except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or the check: the mma.sync walk runs
         return f"{type(exc).__name__}: {str(exc)[-300:]}"
+
+
+def _wgmma_check() -> str | None:
+    """`wgmma_status`'s bit check: None when the wgmma walk gives every bit of the mma.sync walk."""
     rng = np.random.default_rng(27)
     d, q_heads, capacity = attention_wgmma.HEAD_DIM, 4, 512
     caches = (rng.standard_normal((2, 2, capacity, 1, d)) * 2).astype(np.float32)

@@ -4,10 +4,10 @@ products on the H100/H200's warpgroup instructions, every output bit the mma.syn
 numba's `link=` compiles for sm_90, which has no wgmma, so NVRTC compiles flash_attention.cu's
 text with flash_wgmma.cu's appended for sm_90a (nvrtc.py) and the driver launches the cubin on
 numba's streams and memory. attention_flash.prefill takes this path for a chunk it walks (not
-split) at head_dim 256 when `status` is None: the GPU is sm_90, the cubin builds, and a check
-of every bit against the mma.sync walk on random inputs passed. bench/RESULTS.md, session 27:
-1.7-1.8x the mma.sync walk on the 9B's 4096-8192-row chunks, 370 TFLOP/s at 8192 rows from
-24,576 keys.
+split) at head_dim 256 when `attention_flash.wgmma_status()` is None: the GPU is sm_90, the cubin
+builds, and a check of every bit against the mma.sync walk on random inputs passed.
+bench/RESULTS.md, session 27: 1.4-1.8x the mma.sync walk on the 9B's 4096-8192-row chunks,
+1.7-1.8x and 360-370 TFLOP/s at 8192 rows from 24,576 keys.
 
 Not available under the CUDA simulator (no NVRTC, no wgmma) or without cuda-bindings.
 """

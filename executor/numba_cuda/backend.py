@@ -30,8 +30,8 @@ from numba import cuda
 
 from executor.backend import frozen_logits, shared_segments
 from executor.config import FULL, Qwen35Config
-from executor.numba_cuda import (attention, attention_flash, attention_prep, conv, delta_chunked, delta_mma, delta_rule,
-                                 device_weights, elementwise, greedy, norms)
+from executor.numba_cuda import (attention, attention_flash, attention_prep, attention_wgmma, conv, delta_chunked,
+                                 delta_mma, delta_rule, device_weights, elementwise, greedy, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import columns, copy_of, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
@@ -218,7 +218,12 @@ class NumbaCudaBackend:
         invalid WARMSTATE_PREFILL_ATTENTION raises from the constructor)."""
         if self._prefill_attention is None:
             self._prefill_attention = self._choose_prefill_attention()
-            wgmma = attention_flash.wgmma_status() if self._prefill_attention == "flash" else "not the flash path"
+            if self._prefill_attention != "flash":
+                wgmma = "not the flash path"
+            elif self.config.head_dim != attention_wgmma.HEAD_DIM:
+                wgmma = f"head_dim {self.config.head_dim}, not {attention_wgmma.HEAD_DIM}"
+            else:
+                wgmma = attention_flash.wgmma_status()
             log.info("prefill_attention", path=self._prefill_attention, passed_over=self.attention_failures,
                      wgmma_walk="on" if wgmma is None else f"off: {wgmma}")
         return self._prefill_attention

@@ -54,6 +54,8 @@ def compile_cubin(source: str, name: str, arch: str = "sm_90a") -> tuple[bytes, 
     # NVRTC writes into the buffers it is given: bytearrays of our own, never `b" " * size`,
     # which for a one-byte log (empty: just its NUL) is CPython's shared b" " object itself
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC ({arch}): nvrtcCreateProgram: {err}")
     try:
         opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -115,27 +117,41 @@ class Module:
     def launch(self, name: str, grid: tuple[int, int], threads: int, shared_bytes: int, *args,
                wait: bool = True, stream=0) -> None:
         """Launch `name` on grid (x, y) with `threads` a CTA and `shared_bytes` of dynamic shared
-        memory on `stream` (a numba stream, or 0: the legacy default stream); args: device arrays
-        (passed as pointers), numpy int64 (long long), other ints (int32), floats (float32).
-        Raises RuntimeError on a launch or (wait: synchronizes the context) execution error."""
-        values, types = [], []
-        for a in args:
-            if hasattr(a, "__cuda_array_interface__"):
-                values.append(a.__cuda_array_interface__["data"][0])
-                types.append(ctypes.c_void_p)
-            elif isinstance(a, (float, np.floating)):
-                values.append(float(a))
-                types.append(ctypes.c_float)
-            elif isinstance(a, np.int64):
-                values.append(int(a))
-                types.append(ctypes.c_longlong)
-            else:
-                values.append(int(a))
-                types.append(ctypes.c_int)
+        memory on `stream` (a numba stream, or 0: the legacy default stream); args (`kernel_args`):
+        device arrays (pointers), numpy int64 (long long), other ints (int32), floats (float32).
+        Raises ValueError for an argument `kernel_args` refuses, RuntimeError on a launch or (wait:
+        synchronizes the context) execution error."""
+        values, types = kernel_args(args)
         check(self._driver.cuLaunchKernel(self.function(name, shared_bytes), grid[0], grid[1], 1, threads, 1, 1,
-                                          shared_bytes, stream_handle(stream), (tuple(values), tuple(types)), 0))
+                                          shared_bytes, stream_handle(stream), (values, types), 0))
         if wait:
             check(self._driver.cuCtxSynchronize())
+
+
+def kernel_args(args) -> tuple[tuple, tuple]:
+    """(values, ctypes types) of a launch's arguments: a device array (`__cuda_array_interface__`)
+    as its pointer, a numpy int64 as long long, a Python or numpy float as float32, any other
+    integer as int32. Raises ValueError naming the argument's position for a host array or an
+    integer outside its C type's range (it would reach the kernel truncated)."""
+    values, types = [], []
+    for i, a in enumerate(args):
+        if hasattr(a, "__cuda_array_interface__"):
+            values.append(a.__cuda_array_interface__["data"][0])
+            types.append(ctypes.c_void_p)
+        elif isinstance(a, np.ndarray):
+            raise ValueError(f"kernel argument {i} is a host array {a.shape}; pass a device array")
+        elif isinstance(a, (float, np.floating)):
+            values.append(float(a))
+            types.append(ctypes.c_float)
+        else:
+            wide = isinstance(a, np.int64)
+            bits = 64 if wide else 32
+            if not -(1 << (bits - 1)) <= int(a) < 1 << (bits - 1):
+                raise ValueError(f"kernel argument {i} = {int(a)} does not fit int{bits}"
+                                 + ("" if wide else "; pass numpy.int64 for a long long"))
+            values.append(int(a))
+            types.append(ctypes.c_longlong if wide else ctypes.c_int)
+    return tuple(values), tuple(types)
 
 
 def stream_handle(stream) -> int:
@@ -143,4 +159,4 @@ def stream_handle(stream) -> int:
     if stream == 0 or stream is None:
         return 0
     handle = stream.handle
-    return int(handle.value if hasattr(handle, "value") else handle) or 0
+    return int(getattr(handle, "value", handle) or 0)

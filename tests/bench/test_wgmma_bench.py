@@ -81,3 +81,13 @@ def test_unknown_kernels_are_refused_before_any_compile(capsys):
         flash_wgmma.main(["--kernels", "walk,nope"])
     assert exit_info.value.code == 2 and "--kernels 'walk,nope'" in capsys.readouterr().err
     assert set(flash_wgmma.DEFAULT_KERNELS.split(",")) < set(flash_wgmma.KERNELS)
+
+
+def test_no_layouts_alone_is_refused(capsys):
+    """A review found it: `--no-layouts` without --loops or --chains compiled and ran nothing."""
+    from bench import wgmma_probe
+
+    with pytest.raises(SystemExit) as exit_info:
+        wgmma_probe.main(["--no-layouts"])
+    assert exit_info.value.code == 2
+    assert "--no-layouts leaves nothing to run" in capsys.readouterr().err

@@ -98,13 +98,32 @@ def test_without_a_gpu_the_walk_stays_on_mma_sync_and_says_why():
     assert attention_wgmma.unavailable() == why
 
 
-def test_stream_handles_for_driver_launches():
-    from executor.numba_cuda.nvrtc import stream_handle
+def test_a_check_that_raises_leaves_the_walk_on_mma_sync_and_is_decided_once(monkeypatch):
+    """A review found it: an exception from the bit check (a launch or copy error) escaped
+    wgmma_status, which functools.cache does not keep, so every later walking prefill re-ran the
+    check and raised instead of falling back to the mma.sync walk."""
+    from executor.numba_cuda import attention_wgmma
 
-    class Handle:
-        value = 0x1234
+    calls = []
 
-    class Stream:
-        handle = Handle()
+    def check():
+        calls.append(1)
+        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
 
-    assert stream_handle(0) == 0 and stream_handle(None) == 0 and stream_handle(Stream()) == 0x1234
+    monkeypatch.delenv("WARMSTATE_FLASH_WGMMA", raising=False)
+    monkeypatch.setattr(attention_wgmma, "unavailable", lambda: None)
+    monkeypatch.setattr(attention_wgmma, "module", lambda: None)
+    monkeypatch.setattr(attention_flash, "_wgmma_check", check)
+    attention_flash.wgmma_status.cache_clear()
+    try:
+        assert attention_flash.wgmma_status() == "RuntimeError: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+        assert attention_flash.wgmma_status() == "RuntimeError: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+        assert calls == [1]
+        monkeypatch.setattr(attention_flash, "_wgmma_check", lambda: None)
+        attention_flash.wgmma_status.cache_clear()
+        assert attention_flash.wgmma_status() is None
+        monkeypatch.setenv("WARMSTATE_FLASH_WGMMA", " 0 ")
+        attention_flash.wgmma_status.cache_clear()
+        assert attention_flash.wgmma_status() == "turned off by WARMSTATE_FLASH_WGMMA=0"
+    finally:
+        attention_flash.wgmma_status.cache_clear()

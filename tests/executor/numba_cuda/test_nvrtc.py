@@ -85,3 +85,40 @@ def test_a_failed_compile_raises_with_its_log_and_destroys_the_program():
     out = _run("t.cu(1): error: identifier x is undefined", "fail")
     assert "raised t.cu(1): error: identifier x is undefined" in out
     assert "destroyed ['prog']" in out
+
+
+def test_kernel_args_pack_pointers_long_longs_floats_and_ints():
+    import ctypes
+
+    import numpy as np
+    import pytest
+
+    from executor.numba_cuda.nvrtc import kernel_args
+
+    class Device:
+        __cuda_array_interface__ = {"data": (0xABC0, False)}
+
+    values, types = kernel_args((Device(), np.int64(5 << 32), np.float32(0.5), 2.0, 7, np.int32(-3)))
+    assert values == (0xABC0, 5 << 32, 0.5, 2.0, 7, -3)
+    assert types == (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int)
+    with pytest.raises(ValueError, match="argument 0 = 2147483648 does not fit int32; pass numpy.int64"):
+        kernel_args((1 << 31,))
+    with pytest.raises(ValueError, match="argument 1 = 21474836480 does not fit int32"):
+        kernel_args((1, 5 << 32))
+    with pytest.raises(ValueError, match="argument 0 is a host array"):
+        kernel_args((np.zeros(3, np.float32),))
+
+
+def test_stream_handles_for_driver_launches():
+    import ctypes
+
+    from executor.numba_cuda.nvrtc import stream_handle
+
+    class Stream:
+        def __init__(self, handle):
+            self.handle = handle
+
+    assert stream_handle(0) == 0 and stream_handle(None) == 0
+    assert stream_handle(Stream(ctypes.c_void_p(0x1234))) == 0x1234
+    assert stream_handle(Stream(ctypes.c_void_p(0))) == 0  # a null ctypes handle: its value is None
+    assert stream_handle(Stream(0x99)) == 0x99
