@@ -124,22 +124,11 @@ __device__ __forceinline__ void walk_blocks_pingpong(bf16_t* ring, const bf16_t*
         }
         commit();
     };
-    load(first);
-    for (int s0 = first; s0 < last; s0 += SEG) {
-        const int s1 = min(s0 + SEG, last);
-        for (int b = s0; b < s1; ++b) {
-            wait_groups<0>();
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            __syncthreads();  // block b is in for every thread; block b - 2's stage is free
-            load(b + 1);
-            const int stage = (b - first) % STAGES;
-            scores(b, ring0 + 2u * (2 * stage) * BLOCK);
-            values(b, ring0 + 2u * (2 * stage + 1) * BLOCK);
-        }
-        segment_end(s0);
-    }
-    wait_groups<0>();
-    __syncthreads();
+    one_barrier_ring<SEG>(first, last, load, [&](int b) {
+        const int stage = (b - first) % STAGES;
+        scores(b, ring0 + 2u * (2 * stage) * BLOCK);
+        values(b, ring0 + 2u * (2 * stage + 1) * BLOCK);
+    }, segment_end);
 }
 
 __device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
@@ -556,4 +545,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_halves_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out, int rows,
                            int start, int q_heads, int kv_heads, float scale) {
     flash_wgmma_halves<256>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
+}
+
+// The backend's walk (executor/numba_cuda/flash_wgmma.cu, K/V in the 128-byte swizzle) with its
+// warpgroups taking turns on the tensor cores (wgmma_walk's PINGPONG): written in session 27 after
+// the swizzle took the copies off the critical path, not yet run on a GPU.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_swz_pingpong_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
+                                 int rows, int start, int q_heads, int kv_heads, float scale) {
+    wgmma_walk<256, 32, 3, true>(q, qg, kc, vc, out, rows, start, q_heads, kv_heads, scale);
 }

@@ -3,7 +3,8 @@ bench/flash_wgmma.cu: the mma.sync walk (`attention_flash.prefill(..., wgmma=Fal
 split) against the backend's wgmma walk (`wgmma=True`: executor/numba_cuda/flash_wgmma.cu, K/V in
 the 128-byte swizzle) and the experiments named by --kernels (`walk`, 8 warps, Q in registers, K/V
 as no-swizzle core matrices; `walk-late`, its copies after P V; `walk-fixed`, also with fixed copy
-addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `walk-heads`,
+addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `swz-pingpong`,
+the backend's walk taking turns so (written in session 27, not yet run); `walk-heads`,
 CTAs that run together on different K/V heads; `pairs`, 4 warps, Q in shared memory, S for two key
 blocks at once; `halves`, two warpgroups splitting head_dim on the same 64 rows), on the same
 inputs: every output bit compared with the mma.sync walk's, CUDA-event ms (median of 5) and
@@ -35,6 +36,7 @@ KERNELS = {
     "pingpong": ("flash_wgmma_pingpong_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "walk-late": ("flash_wgmma_walk_late_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "walk-fixed": ("flash_wgmma_walk_fixed_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
+    "swz-pingpong": ("flash_wgmma_swz_pingpong_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4 + 1024),
     "walk-heads": ("flash_wgmma_walk_heads_256", 256, 128, 3 * 2 * 32 * 256 * 2 + 8 * 16 * 256 * 4),
     "pairs": ("flash_wgmma_pairs_256", 128, 64, 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 4 * 16 * 256 * 4),
     "halves": ("flash_wgmma_halves_256", 256, 64, 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2),

@@ -120,16 +120,42 @@ __device__ __forceinline__ void load_block_swizzled(u32 dst, const bf16_t* src, 
     for (int j = 0; j < D / 64; ++j) copy16(to + j * BN * 128, from + j * 64);
 }
 
+// A ring walk with one barrier a block (the ping-pong experiments'): for block b, wait for its
+// copy, a barrier, then `load(b + 1)` (into block b - 2's stage: every warpgroup waited for its
+// last product on block b - 2 in block b - 1) and `run(b)`; `segment_end(s0)` after each key
+// segment. `load` commits one copy group, empty for a block at or past `last`.
+template <int SEG, typename Load, typename Run, typename SegmentEnd>
+__device__ __forceinline__ void one_barrier_ring(int first, int last, Load load, Run run, SegmentEnd segment_end) {
+    load(first);
+    for (int s0 = first; s0 < last; s0 += SEG) {
+        const int s1 = min(s0 + SEG, last);
+        for (int b = s0; b < s1; ++b) {
+            wait_groups<0>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();  // block b is in for every thread; block b - 2's stage is free
+            load(b + 1);
+            run(b);
+        }
+        segment_end(s0);
+    }
+    wait_groups<0>();
+    __syncthreads();
+}
+
 // The walk over key blocks [0, last) through a ring of STAGES (K, V) block pairs: for block b,
 // wait for its copy and a barrier, `scores(b, K_b)` (S_b issued and waited, with P_{b-1} V_{b-1}
 // before it), a barrier (every warpgroup is done with block b - 1), `values(b, V_b)` (softmax,
 // P_b V_b issued, not waited), then block b + STAGES - 1's copy into block b - 1's stage (it runs
 // under P_b V_b on the tensor cores); `segment_end(s0)` after each key segment. Every thread of
-// the CTA calls this.
-template <int D, int BN, int THREADS, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd>
+// the CTA calls this. PINGPONG (an experiment, bench/flash_wgmma.py `swz-pingpong`): one barrier a
+// block, at which block b + 1 is copied into block b - 2's stage (both warpgroups waited for
+// P_{b-2} V_{b-2} in block b - 1's scores), so a warpgroup may run up to a block ahead.
+template <int D, int BN, int THREADS, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd,
+          bool PINGPONG = false>
 __device__ __forceinline__ void walk_blocks_swizzled(u32 ring0, const bf16_t* kbase, const bf16_t* vbase,
                                                      size_t row_stride, int last, Scores scores, Values values,
                                                      SegmentEnd segment_end) {
+    static_assert(!PINGPONG || STAGES >= 3, "block b + 1 goes into block b - 2's stage");
     constexpr u32 BLOCK_BYTES = BN * D * 2;
     auto load_pair = [&](int block) {  // K and V of `block` into its stage, one copy group (empty past last)
         if (block < last) {
@@ -139,6 +165,14 @@ __device__ __forceinline__ void walk_blocks_swizzled(u32 ring0, const bf16_t* kb
         }
         commit();
     };
+    if constexpr (PINGPONG) {
+        one_barrier_ring<SEG>(0, last, load_pair, [&](int b) {
+            const u32 stage = ring0 + 2u * (b % STAGES) * BLOCK_BYTES;
+            scores(b, stage);
+            values(b, stage + BLOCK_BYTES);
+        }, segment_end);
+        return;
+    }
     for (int p = 0; p < STAGES - 1; ++p) load_pair(p);
     for (int s0 = 0; s0 < last; s0 += SEG) {
         const int s1 = min(s0 + SEG, last);
@@ -160,8 +194,11 @@ __device__ __forceinline__ void walk_blocks_swizzled(u32 ring0, const bf16_t* kb
 
 // The walk of one CTA (8 warps: 2 warpgroups of 64 virtual rows). Every block of the CTA runs in
 // both warpgroups (a divergent wgmma makes ptxas serialize them); a block past a warpgroup's rows
-// is masked for them, the same bits as skipping it.
-template <int D, int BN, int STAGES>
+// is masked for them, the same bits as skipping it. PINGPONG (an experiment the backend does not
+// use): the warpgroups take turns issuing their products (S_b of 0, S_b of 1, P_b V_b of 0, P_b V_b
+// of 1: named barriers 1 and 2), so one's softmax can run under the other's products
+// (FlashAttention-3's ping-pong), on walk_blocks_swizzled's one-barrier ring.
+template <int D, int BN, int STAGES, bool PINGPONG = false>
 __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
                                            bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale) {
     constexpr int WARPS = 8;
@@ -176,16 +213,28 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + 2 * STAGES * BN * D * 2),
                                     c.warp, c.lane);
 
+    const int wg = threadIdx.x / 128;
+    auto my_turn = [&]() {
+        if constexpr (PINGPONG) asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(THREADS) : "memory");
+    };
+    auto pass_turn = [&]() {
+        if constexpr (PINGPONG) asm volatile("bar.arrive %0, %1;" ::"r"(2 - wg), "r"(THREADS) : "memory");
+    };
+    if constexpr (PINGPONG) {
+        if (wg == 1) pass_turn();  // warpgroup 0 issues first
+    }
     float s[BN / 8][4];
     auto scores = [&](int b, u32 k_addr) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        my_turn();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; ++k)  // k-step k: chunk k / 4, 32 bytes a step inside it
             wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), w.qf[k],
                     wg_desc_128b(k_addr + (k / 4) * BN * 128 + (k % 4) * 32, 16, 1024));
         wg_commit();
+        pass_turn();
         wg_wait0();
         wg_keep<BN / 2>(&s[0][0]);
         wg_keep<D / 2>(&w.acc[0][0]);
@@ -193,11 +242,13 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     auto values = [&](int b, u32 v_addr) {
         u32 pf[BN / 16][4];
         block_softmax<D, BN>(pf, s, w.m, w.l, w.acc, c.pos, b, b >= c.unmasked, w.scale2, c.t);
+        my_turn();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < BN / 16; ++k)  // keys 16 k..: the next 64 dims BN * 128 bytes on, 8 keys 1024
             wgmma_o(reinterpret_cast<float(&)[D / 2]>(w.acc), pf[k], wg_desc_128b(v_addr + k * 2048, BN * 128, 1024));
         wg_commit();
+        pass_turn();
     };
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
     auto fold_segment = [&](int s0) {
@@ -207,8 +258,12 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
         fold_into_total<D>(total, M, L, w.acc, w.m, w.l);
         w.reset();
     };
-    walk_blocks_swizzled<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring0, kc + (size_t)c.h * D, vc + (size_t)c.h * D, row_stride,
-                                                            c.blocks, scores, values, fold_segment);
+    walk_blocks_swizzled<D, BN, THREADS, STAGES, SEG_BLOCKS, decltype(scores), decltype(values), decltype(fold_segment),
+                         PINGPONG>(ring0, kc + (size_t)c.h * D, vc + (size_t)c.h * D, row_stride, c.blocks, scores,
+                                   values, fold_segment);
+    if constexpr (PINGPONG) {
+        if (wg == 0) my_turn();  // warpgroup 1's last turn passed
+    }
     write_gated<D>(out, qg, total, L, c.warp_first, c.g, c.t, c.vrows, c.group, c.h, q_heads);
 }
 
