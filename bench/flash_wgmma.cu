@@ -131,11 +131,6 @@ __device__ __forceinline__ void walk_blocks_pingpong(bf16_t* ring, const bf16_t*
     }, segment_end);
 }
 
-__device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
 // CLOCKS: `clocks` (u64 [10], zeroed) gets every warp's cycles by phase (walk_blocks_wgmma's
 // 0-5; 6 before the walk: Q's fragments and the running total's set-up; 7 the gated write), 8 the
 // warps' whole time and 9 the blocks they walked, summed over warps (atomicAdd).
@@ -174,34 +169,25 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
     const bf16_t* vbase = vc + (size_t)h * D;
     extern __shared__ __align__(128) unsigned char smem_bytes[];
     bf16_t* ring = reinterpret_cast<bf16_t*>(smem_bytes);
-    auto reset = [&]() { w.reset(); };
     // P_b V_b is left in flight; block b + 1's S is issued behind it, then both are waited
     // (walk_blocks_wgmma). PINGPONG: the two warpgroups take turns issuing (S_b of 0, S_b of 1,
     // P_b V_b of 0, P_b V_b of 1, ...: named barriers 1 and 2), so one's softmax runs under the
     // other's products (FlashAttention-3's ping-pong), on walk_blocks_pingpong's ring.
-    const int wg = threadIdx.x / 128;
-    auto my_turn = [&]() {
-        if constexpr (PINGPONG) bar_sync(1 + wg, THREADS);
-    };
-    auto pass_turn = [&]() {
-        if constexpr (PINGPONG) bar_arrive(2 - wg, THREADS);
-    };
-    if constexpr (PINGPONG) {
-        if (wg == 1) bar_arrive(1, THREADS);  // warpgroup 0 issues first
-    }
+    const Turns<PINGPONG, THREADS> turns;
+    turns.start();
     float s[BN / 8][4];
     // every block of the CTA runs in both warpgroups (no divergent wgmma: ptxas would serialize);
     // a block past a warpgroup's rows is masked for them: the same bits as skipping it
     auto scores = [&](int b, u32 k_addr) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-        my_turn();
+        turns.mine();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; ++k)
             wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), qf[k], wg_desc(k_addr + k * 256, 128, PIECES * 128));
         wg_commit();
-        pass_turn();
+        turns.pass();
         wg_wait0();
         wg_keep<BN / 2>(&s[0][0]);
         wg_keep<D / 2>(&acc[0][0]);
@@ -209,28 +195,27 @@ __device__ __forceinline__ void flash_wgmma_walk(const float* q, const float* qg
     auto values = [&](int b, u32 v_addr) {
         u32 pf[BN / 16][4];
         block_softmax<D, BN>(pf, s, m, l, acc, pos, b, b >= unmasked, scale2, t);
-        my_turn();
+        turns.mine();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < BN / 16; ++k)
             wgmma_o(reinterpret_cast<float(&)[D / 2]>(acc), pf[k], wg_desc(v_addr + k * 2 * PIECES * 128, PIECES * 128, 128));
         wg_commit();
-        pass_turn();
+        turns.pass();
     };
     float4* total = zeroed_total<D>(ring + 2 * STAGES * BLOCK, warp, lane);
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
-    reset();
     auto fold_segment = [&](int s0) {
         wg_wait0();
         wg_keep<D / 2>(&acc[0][0]);
         if (s0 >= warp_blocks) return;
         fold_into_total<D>(total, M, L, acc, m, l);
-        reset();
+        w.reset();
     };
     if constexpr (PINGPONG) {
         walk_blocks_pingpong<D, BN, THREADS, STAGES, SEG_BLOCKS>(ring, kbase, vbase, row_stride, 0, blocks, scores,
                                                                  values, fold_segment);
-        if (wg == 0) bar_sync(1, THREADS);  // warpgroup 1's last turn passed
+        turns.finish();
     } else {
         stamp(6);
         walk_blocks_wgmma<D, BN, THREADS, STAGES, SEG_BLOCKS, decltype(scores), decltype(values),
@@ -406,12 +391,7 @@ __device__ __forceinline__ void flash_wgmma_pairs(const float* q, const float* q
     store_q_core<D, THREADS>(sq, q, cta_first, vrows, group, h, q_heads);
     float acc[D / 8][4];
     float m[2], l[2];
-    auto reset = [&]() {
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-        m[0] = m[1] = NEG_INF;
-        l[0] = l[1] = 0.0f;
-    };
+    auto reset = [&]() { reset_segment<D / 8>(acc, m, l); };
     float4* total = zeroed_total<D>(ring + 4 * KV, warp, lane);
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
     reset();
@@ -488,12 +468,7 @@ __device__ __forceinline__ void flash_wgmma_halves(const float* q, const float* 
     store_q_core<D, THREADS>(sq, q, cta_first, vrows, group, h, q_heads);
     float acc[HALF / 8][4], total[HALF / 8][4];
     float m[2], l[2];
-    auto reset = [&]() {
-#pragma unroll
-        for (int n = 0; n < HALF / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-        m[0] = m[1] = NEG_INF;
-        l[0] = l[1] = 0.0f;
-    };
+    auto reset = [&]() { reset_segment<HALF / 8>(acc, m, l); };
 #pragma unroll
     for (int n = 0; n < HALF / 8; ++n) total[n][0] = total[n][1] = total[n][2] = total[n][3] = 0.0f;
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};

@@ -175,20 +175,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) loop_mma(float* out, int it
 // over the loop. The walk's products (`chain_walk`): S on m64n32k16 from registers, waited, then
 // P V as two m64n256k16 from registers, B MN-major, left in flight (the next S waits for it), a
 // block each iteration.
+// The chains' operands: `elements` bf16 of shared memory and a thread's 16 A fragments, small
+// finite values (their bits do not matter to a timing), the shared ones fenced for wgmma.
+__device__ __forceinline__ void fill_operands(bf16_t* shared, int elements, u32 (&a)[16][4]) {
+    for (int e = threadIdx.x; e < elements; e += blockDim.x) shared[e] = (bf16_t)(0x3c00 + (e & 7));
+#pragma unroll
+    for (int k = 0; k < 16; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[k][i] = 0x3c003c00u + ((threadIdx.x + k + i) & 7);
+    fence_async();
+    __syncthreads();
+}
+
 template <int N, typename Op>
 __device__ __forceinline__ void chain_loop(float* out, long long* cycles, int iters, Op op) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16_t* sa = reinterpret_cast<bf16_t*>(smem);  // 2 warpgroups x 64 x 256, core layout
     bf16_t* sb = sa + 2 * 64 * 256;                 // N x 256, core layout
-    for (int e = threadIdx.x; e < (2 * 64 + N) * 256; e += blockDim.x) sa[e] = (bf16_t)(0x3c00 + (e & 7));
-    fence_async();
-    __syncthreads();
-    const int wg = threadIdx.x / 128;
     u32 a[16][4];
-#pragma unroll
-    for (int k = 0; k < 16; ++k)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[k][i] = 0x3c003c00u + ((threadIdx.x + k + i) & 7);
+    fill_operands(sa, (2 * 64 + N) * 256, a);
+    const int wg = threadIdx.x / 128;
     float d[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
@@ -210,13 +216,13 @@ __device__ __forceinline__ void chain_loop(float* out, long long* cycles, int it
     if (threadIdx.x % 128 == 0) cycles[2 * blockIdx.x + wg] = t1 - t0;
 }
 
-#define CHAIN_KERNEL(N, SRC, A)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 1) chain_##SRC##_n##N(float* out, long long* cycles, \
-                                                                                   int iters) {                 \
-        chain_loop<N>(out, cycles, iters,                                                                 \
-                            [](float(&d)[N / 2], const u32* a, unsigned long long ad, unsigned long long bd) {  \
-                                wgmma_##SRC##_n##N##_t0(d, A, bd);                                              \
-                            });                                                                                 \
+#define CHAIN_KERNEL(N, SRC, A)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                              \
+        chain_##SRC##_n##N(float* out, long long* cycles, int iters) {                                \
+        chain_loop<N>(out, cycles, iters,                                                             \
+                      [](float(&d)[N / 2], const u32* a, unsigned long long ad, unsigned long long bd) { \
+                          wgmma_##SRC##_n##N##_t0(d, A, bd);                                          \
+                      });                                                                             \
     }
 CHAIN_KERNEL(32, rs, a)
 CHAIN_KERNEL(32, ss, ad)
@@ -228,15 +234,9 @@ CHAIN_KERNEL(256, rs, a)
 extern "C" __global__ void __launch_bounds__(256, 1) chain_walk(float* out, long long* cycles, int iters) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16_t* sk = reinterpret_cast<bf16_t*>(smem);  // K block [32, 256] then V block, core layout
-    for (int e = threadIdx.x; e < 2 * 32 * 256; e += blockDim.x) sk[e] = (bf16_t)(0x3c00 + (e & 7));
-    fence_async();
-    __syncthreads();
-    const int wg = threadIdx.x / 128;
     u32 a[16][4];
-#pragma unroll
-    for (int k = 0; k < 16; ++k)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[k][i] = 0x3c003c00u + ((threadIdx.x + k + i) & 7);
+    fill_operands(sk, 2 * 32 * 256, a);
+    const int wg = threadIdx.x / 128;
     float s[16], o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;

@@ -252,10 +252,6 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
         split = segments > 0
     elif split:
         segments = max(segments, -(-keys // SEGMENT_KEYS))
-    if warps is None:
-        warps = 4 if head_dim == 256 and (split or rows * group <= SHORT_VIRTUAL_ROWS) else WARPS.get(head_dim)
-    launch, threads, nbytes = kernel(head_dim, warps, stages, split)
-    tiles = -(-rows * group // (threads // 32 * 16))
     slot_bytes = capacity * kv_heads * head_dim * 2
     meta = chunk_meta(meta, rows, start, slot, stream)
     scale = np.float32(1.0 / np.sqrt(head_dim))
@@ -263,7 +259,11 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
         if wgmma or wgmma_status() is None:  # True: attention_wgmma raises where it cannot run
             attention_wgmma.launch(q, qg, kcache, vcache, slot_bytes, out, meta, rows, q_heads, kv_heads, scale,
                                    stream)
-            return out
+            return out  # before `kernel`: no mma.sync variant compiled for a chunk that walks on wgmma
+    if warps is None:
+        warps = 4 if head_dim == 256 and (split or rows * group <= SHORT_VIRTUAL_ROWS) else WARPS.get(head_dim)
+    launch, threads, nbytes = kernel(head_dim, warps, stages, split)
+    tiles = -(-rows * group // (threads // 32 * 16))
     if not split:
         launch[(tiles, kv_heads), threads, stream, nbytes](
             device_pointer(q), device_pointer(qg), device_pointer(kcache), device_pointer(vcache), slot_bytes,

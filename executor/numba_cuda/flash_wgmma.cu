@@ -81,6 +81,36 @@ struct Tile {
     }
 };
 
+// Ping-pong turns of a CTA's two warpgroups on the tensor cores (FlashAttention-3's order: S of 0,
+// S of 1, P V of 0, P V of 1, ...; named barriers 1 and 2): `mine()` before a warpgroup issues,
+// `pass()` after it committed, `start()` once before the walk (warpgroup 0 goes first) and
+// `finish()` once after it (warpgroup 1's last turn passed). All no-ops when not ON.
+template <bool ON, int THREADS>
+struct Turns {
+    const int wg = threadIdx.x / 128;
+    __device__ __forceinline__ void mine() const {
+        if constexpr (ON) asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(THREADS) : "memory");
+    }
+    __device__ __forceinline__ void pass() const {
+        if constexpr (ON) asm volatile("bar.arrive %0, %1;" ::"r"(2 - wg), "r"(THREADS) : "memory");
+    }
+    __device__ __forceinline__ void start() const {
+        if (ON && wg == 1) pass();
+    }
+    __device__ __forceinline__ void finish() const {
+        if (ON && wg == 0) mine();
+    }
+};
+
+// The key segment's running (m, l, O) of a warp's rows, reset (O: N column tiles of m16n8).
+template <int N>
+__device__ __forceinline__ void reset_segment(float (&acc)[N][4], float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    m[0] = m[1] = NEG_INF;
+    l[0] = l[1] = 0.0f;
+}
+
 // A warp's part of a walk (every wgmma walk: this file's and bench/flash_wgmma.cu's): its Tile,
 // the scale in log2 units, Q's fragments (load_q) and the key segment's running (m, l, O) with
 // their reset. Arrays indexed by constants only, so they live in registers.
@@ -100,12 +130,7 @@ struct WalkWarp {
         load_q<D>(qf, q, row, head, q_heads, c.t);
         reset();
     }
-    __device__ __forceinline__ void reset() {
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-        m[0] = m[1] = NEG_INF;
-        l[0] = l[1] = 0.0f;
-    }
+    __device__ __forceinline__ void reset() { reset_segment<D / 8>(acc, m, l); }
 };
 
 // Keys [block * BN, +BN) of one K/V head into the 128-byte swizzle at `dst` (see the header).
@@ -213,28 +238,20 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + 2 * STAGES * BN * D * 2),
                                     c.warp, c.lane);
 
-    const int wg = threadIdx.x / 128;
-    auto my_turn = [&]() {
-        if constexpr (PINGPONG) asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(THREADS) : "memory");
-    };
-    auto pass_turn = [&]() {
-        if constexpr (PINGPONG) asm volatile("bar.arrive %0, %1;" ::"r"(2 - wg), "r"(THREADS) : "memory");
-    };
-    if constexpr (PINGPONG) {
-        if (wg == 1) pass_turn();  // warpgroup 0 issues first
-    }
+    const Turns<PINGPONG, THREADS> turns;
+    turns.start();
     float s[BN / 8][4];
     auto scores = [&](int b, u32 k_addr) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-        my_turn();
+        turns.mine();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; ++k)  // k-step k: chunk k / 4, 32 bytes a step inside it
             wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), w.qf[k],
                     wg_desc_128b(k_addr + (k / 4) * BN * 128 + (k % 4) * 32, 16, 1024));
         wg_commit();
-        pass_turn();
+        turns.pass();
         wg_wait0();
         wg_keep<BN / 2>(&s[0][0]);
         wg_keep<D / 2>(&w.acc[0][0]);
@@ -242,13 +259,13 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     auto values = [&](int b, u32 v_addr) {
         u32 pf[BN / 16][4];
         block_softmax<D, BN>(pf, s, w.m, w.l, w.acc, c.pos, b, b >= c.unmasked, w.scale2, c.t);
-        my_turn();
+        turns.mine();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < BN / 16; ++k)  // keys 16 k..: the next 64 dims BN * 128 bytes on, 8 keys 1024
             wgmma_o(reinterpret_cast<float(&)[D / 2]>(w.acc), pf[k], wg_desc_128b(v_addr + k * 2048, BN * 128, 1024));
         wg_commit();
-        pass_turn();
+        turns.pass();
     };
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};
     auto fold_segment = [&](int s0) {
@@ -261,9 +278,7 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     walk_blocks_swizzled<D, BN, THREADS, STAGES, SEG_BLOCKS, decltype(scores), decltype(values), decltype(fold_segment),
                          PINGPONG>(ring0, kc + (size_t)c.h * D, vc + (size_t)c.h * D, row_stride, c.blocks, scores,
                                    values, fold_segment);
-    if constexpr (PINGPONG) {
-        if (wg == 0) my_turn();  // warpgroup 1's last turn passed
-    }
+    turns.finish();
     write_gated<D>(out, qg, total, L, c.warp_first, c.g, c.t, c.vrows, c.group, c.h, q_heads);
 }
 
