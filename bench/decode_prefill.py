@@ -141,7 +141,7 @@ def _fresh_states(backend: NumbaCudaBackend, lanes: int, ctx: int, seed: int) ->
 
 
 KERNELS = ("elementwise.embed", "elementwise.swiglu", "norms.add_rms_norm", "norms.gated_rms_norm",
-           "conv.causal_conv1d", "delta_rule.delta_prep", "delta_rule.delta_recurrence", "delta_chunked.delta_chunked",
+           "conv.causal_conv1d_qkv", "delta_rule.delta_gates", "delta_rule.delta_recurrence", "delta_chunked.delta_chunked",
            "delta_mma.delta_mma",
            "attention_prep.kv_norm_rope_store", "attention_prep.q_norm_rope", "attention.attention",
            "attention_flash.prefill")

@@ -352,21 +352,21 @@ class NumbaCudaBackend:
         c, w = self.config, self.w.layers[i]
         ch, vd, vh = c.conv_channels, c.linear_value_dim, c.linear_num_value_heads
         proj = mm(h, w["in_proj"], stream=stream)  # [rows, ch + vd + 2 vh]: qkv | z | b | a
-        mixed = conv.causal_conv1d(columns(proj, 0, ch), row_start, slots, w["conv"], self.pool.conv[li],
-                                   stream=stream)
+        # conv + SiLU over q | k | v, q and k L2-normalised in the same pass; v: [rows, value heads x dim]
+        qn, kn, v = conv.causal_conv1d_qkv(columns(proj, 0, ch), row_start, slots, w["conv"], self.pool.conv[li],
+                                           c.linear_num_key_heads, c.linear_key_head_dim, stream=stream)
         b = columns(proj, ch + vd, ch + vd + vh)
         a = columns(proj, ch + vd + vh, ch + vd + 2 * vh)
-        qn, kn, g, beta = delta_rule.delta_prep(mixed, a, b, w["a_log"], w["dt_bias"], c.linear_num_key_heads,
-                                                c.linear_key_head_dim, stream=stream)
+        g, beta = delta_rule.delta_gates(a, b, w["a_log"], w["dt_bias"], stream=stream)
         if at is None:  # decode: one row per lane, the recurrent step
-            out = delta_rule.delta_recurrence(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, row_start, slots,
-                                              self.pool.recurrent[li], stream=stream)
+            out = delta_rule.delta_recurrence(qn, kn, v, 0, g, beta, row_start, slots, self.pool.recurrent[li],
+                                              stream=stream)
         elif self._delta_path() == "mma":  # prefill: the chunked form on the tensor cores
-            out = delta_mma.delta_mma(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
-                                      self.pool.recurrent[li], stream=stream, meta=meta, padded=padded)
+            out = delta_mma.delta_mma(qn, kn, v, 0, g, beta, at[1], at[0], self.pool.recurrent[li], stream=stream,
+                                      meta=meta, padded=padded)
         else:  # prefill: the chunked form, sub-chunks anchored at absolute multiples of 64
-            out = delta_chunked.delta_chunked(qn, kn, mixed, 2 * c.linear_key_dim, g, beta, at[1], at[0],
-                                           self.pool.recurrent[li], stream=stream)
+            out = delta_chunked.delta_chunked(qn, kn, v, 0, g, beta, at[1], at[0], self.pool.recurrent[li],
+                                              stream=stream)
         gated = norms.gated_rms_norm(out, columns(proj, ch, ch + vd), w["norm"], c.rms_norm_eps, stream=stream)
         return mm(gated, w["out_proj"], stream=stream)
 

@@ -1,13 +1,23 @@
 """Causal depthwise conv1d + SiLU of the linear attention, over prefill rows or one decode
-row per lane, from and into each stream's carried conv tail.
+row per lane, from and into each stream's carried conv tail; with `causal_conv1d_qkv`, the
+q and k channels come out L2-normalised per head (q also times key_dim^-0.5), in the same
+pass.
 
 The conv input is rounded to bf16 on read (the tail is stored in bf16, DESIGN state
 bytes), so a row's bits are the same whether its predecessors came from this chunk or
 from the tail: conv is chunk-invariant at every cut. Two launches: the conv, one thread
 per (tile of ROW_TILE rows, channel) (per (row, channel) in decode), each row finding its
-lane in row_start and sliding a window of the kernel's inputs down its rows (one load of x
-per row); then the tail update, one thread per (lane, channel), queued after it
-on the same stream so the conv reads the old tails. Twin: ops.causal_conv1d.
+lane in row_start; then the tail update, one thread per (lane, channel), queued after it
+on the same stream so the conv reads the old tails. Twins: ops.causal_conv1d,
+ops.l2_normalize.
+
+A conv thread loads its tile's inputs (ROW_TILE + taps - 1 rows) before it computes any:
+a thread that loaded a row, used it and then loaded the next had one load in flight and ran
+the conv at ~1.5 TB/s on the H200 (bench/RESULTS.md, session 28). The L2 norm of a q or k
+head (key_dim channels) is summed in the order `delta_rule`'s separate prep kernel used
+before this pass existed: thread t adds its channels t, t + THREADS, ... to 0, then a
+fixed tree over the block's THREADS slots (its last five steps as a warp's xor butterfly,
+which pairs the same values), so the bits did not change when the two fused.
 """
 
 from __future__ import annotations
@@ -27,38 +37,33 @@ from executor.numba_cuda.device import (
     f32_to_bf16,
 )
 from executor.numba_cuda.launch import fast
+from executor.numba_cuda.norms import warp_sum
 
 ROW_TILE = 8
 """Consecutive rows of one channel each conv thread computes in prefill (1 in decode)."""
+MAX_KEY_DIM = 2 * THREADS
+"""Largest key head dim `causal_conv1d_qkv` normalises (a thread takes at most two channels)."""
 _F32 = np.float32
-
-
-@cuda.jit(device=True, inline=True)
-def _input(x, tails, slot, row0, q, c, keep):
-    """Position q of a lane's conv input concat(tail, bf16(x rows)), as f32."""
-    if q < keep:
-        return bf16_to_f32(tails[slot, q, c])
-    return bf16_to_f32(f32_to_bf16(x[row0 + q - keep, c]))
+_WARPS = THREADS // 32
 
 
 @functools.cache
-def _conv_kernel_for(taps: int):
-    """The conv kernel for `taps` taps (the model's conv kernel size): each thread slides a
-    window of `taps` inputs down its rows, loading one new input per row."""
+def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
+    """The conv kernel for `taps` taps (the model's conv kernel size), q/k heads of `key_dim`
+    channels (0: no normalised heads) and `row_tile` rows a thread. Block y < 2 * key_heads
+    is one q (then k) head: its conv outputs L2-normalised over the head; the other blocks
+    are THREADS plain channels each, from channel 2 * key_heads * key_dim on. Grid: (row
+    tiles, channel blocks), row tiles fastest (channel blocks fastest ran 1.4x slower at the
+    9B's 32K chunk, bench/RESULTS.md session 28)."""
     keep = taps - 1
+    span = row_tile + keep
+    per = max(1, -(-key_dim // THREADS))  # channels of a q/k head one thread takes
 
-    @fast
-    @cuda.jit
-    def _conv_kernel(x, row_start, slots, weight, tails, row_tile, out):
-        # x: [rows, channels] f32 (may be a column slice); row_start: [lanes + 1] i32
-        # slots: [lanes] i32; weight: [channels, taps] f32; tails: [slots, taps - 1, channels] bf16
-        # out: [rows, channels] f32; thread (tile, c) computes rows [tile * row_tile, + row_tile) of c
-        c = cuda.blockIdx.y * THREADS + cuda.threadIdx.x
-        r0 = cuda.blockIdx.x * row_tile
+    @cuda.jit(device=True, inline=True)
+    def conv_tile(x, row_start, slots, weight, tails, r0, end, c, y, k):
+        # y[k, i] = silu(sum_j weight[c, j] * input(row r0 + i, tap j)) for the tile's rows
+        # (0 past `end`); input: concat(lane's tail, bf16(lane's rows of x)) at r - row0 + j
         lanes = slots.shape[0]
-        end = row_start[lanes]
-        if c >= x.shape[1] or r0 >= end:
-            return
         lane = 0
         hi = lanes  # row_start[lane] <= r0 < row_start[hi]
         while hi - lane > 1:
@@ -67,29 +72,94 @@ def _conv_kernel_for(taps: int):
                 lane = mid
             else:
                 hi = mid
+        row0 = row_start[lane]
+        nxt = row_start[lane + 1]
+        slot = slots[lane]
         w = cuda.local.array(taps, np.float32)
-        win = cuda.local.array(taps, np.float32)  # inputs of rows r - keep .. r
+        xin = cuda.local.array(span, np.float32)  # x of rows r0 - keep .., then as bf16
         for j in range(taps):
             w[j] = weight[c, j]
-        slot = slots[lane]
-        row0 = row_start[lane]
-        for j in range(keep):
-            win[j] = _input(x, tails, slot, row0, r0 - row0 + j, c, keep)
-        for r in range(r0, min(r0 + row_tile, end)):
-            if r >= row_start[lane + 1]:  # a new lane starts inside the tile: refill
-                while r >= row_start[lane + 1]:
+        for m in range(span):  # every load issued before any is used (rows clamped into the call's)
+            xin[m] = x[min(max(r0 - keep + m, 0), end - 1), c]
+        for m in range(span):
+            xin[m] = bf16_to_f32(f32_to_bf16(xin[m]))
+        for i in range(row_tile):
+            r = r0 + i
+            y[k, i] = _F32(0.0)
+            if r < end:
+                while r >= nxt:  # a new lane starts inside the tile (empty lanes skipped)
                     lane += 1
-                slot = slots[lane]
-                row0 = row_start[lane]
-                for j in range(keep):
-                    win[j] = _input(x, tails, slot, row0, r - row0 + j, c, keep)
-            win[keep] = _input(x, tails, slot, row0, r - row0 + keep, c, keep)
-            acc = _F32(0.0)
-            for j in range(taps):
-                acc += w[j] * win[j]
-            out[r, c] = acc / (_F32(1.0) + math.exp(-acc))
-            for j in range(keep):
-                win[j] = win[j + 1]
+                    row0 = nxt
+                    nxt = row_start[lane + 1]
+                    slot = slots[lane]
+                acc = _F32(0.0)
+                for j in range(taps):
+                    q = r - row0 + j  # position in concat(tail, the lane's rows)
+                    v = bf16_to_f32(tails[slot, q, c]) if q < keep else xin[i + j]
+                    acc += w[j] * v
+                y[k, i] = acc / (_F32(1.0) + math.exp(-acc))
+
+    @fast
+    @cuda.jit
+    def _conv_kernel(x, row_start, slots, weight, tails, key_heads, qn, kn, out):
+        # x: [rows, channels] f32 (may be a column slice); row_start: [lanes + 1] i32
+        # slots: [lanes] i32; weight: [channels, taps] f32; tails: [slots, taps - 1, channels] bf16
+        # qn, kn: [rows, key_heads, key_dim] f32; out: [rows, channels - 2 key_heads key_dim] f32
+        t = cuda.threadIdx.x
+        yb = cuda.blockIdx.y
+        r0 = cuda.blockIdx.x * row_tile
+        end = row_start[slots.shape[0]]
+        if r0 >= end:  # the whole block
+            return
+        y = cuda.local.array((per, row_tile), np.float32)
+        if yb >= 2 * key_heads:  # plain channels
+            c = 2 * key_heads * key_dim + (yb - 2 * key_heads) * THREADS + t
+            if c >= x.shape[1]:
+                return
+            conv_tile(x, row_start, slots, weight, tails, r0, end, c, y, 0)
+            for i in range(row_tile):
+                if r0 + i < end:
+                    out[r0 + i, c - 2 * key_heads * key_dim] = y[0, i]
+            return
+        # head yb (q heads, then k heads): its key_dim channels, thread t taking t, t + THREADS, ...
+        for k in range(per):
+            ch = t + k * THREADS
+            if ch < key_dim:
+                conv_tile(x, row_start, slots, weight, tails, r0, end, yb * key_dim + ch, y, k)
+            else:
+                for i in range(row_tile):
+                    y[k, i] = _F32(0.0)
+        buf = cuda.shared.array((row_tile, THREADS), np.float32)
+        for i in range(row_tile):
+            sq = _F32(0.0)
+            for k in range(per):
+                sq += y[k, i] * y[k, i]
+            buf[i, t] = sq
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step >= 32:  # the tree's wide steps in shared memory
+            if t < step:
+                for i in range(row_tile):
+                    buf[i, t] += buf[i, t + step]
+            cuda.syncthreads()
+            step //= 2
+        scale = _F32(1.0) / math.sqrt(_F32(key_dim))
+        is_q = yb < key_heads
+        head = yb if is_q else yb - key_heads
+        scratch = cuda.shared.array((_WARPS, 32), np.float32)  # the simulator's warp tree only
+        for i in range(row_tile):
+            # steps 16 .. 1 in every warp: the xor butterfly gives every lane the tree's sum
+            total = warp_sum(buf[i, t % 32], scratch)
+            r = r0 + i
+            if r < end:
+                inv = _F32(1.0) / math.sqrt(total + _F32(1e-6))
+                for k in range(per):
+                    ch = t + k * THREADS
+                    if ch < key_dim:
+                        if is_q:
+                            qn[r, head, ch] = (y[k, i] * inv) * scale
+                        else:
+                            kn[r, head, ch] = y[k, i] * inv
 
     return _conv_kernel
 
@@ -115,6 +185,31 @@ def _tail_kernel(x, row_start, slots, tails):
             tails[slot, i, c] = f32_to_bf16(x[row0 + p - keep, c])
 
 
+def _check(x, row_start, slots, weight, tails) -> None:
+    check("x", x, np.float32, 2)
+    check("weight", weight, np.float32, 2)
+    check("tails", tails, np.uint16, 3)
+    channels = x.shape[1]
+    if weight.shape[0] != channels or tuple(tails.shape)[1:] != (weight.shape[1] - 1, channels):
+        raise ValueError(f"weight {weight.shape} / tails {tails.shape} do not fit x {x.shape}")
+    if row_start.shape[0] != slots.shape[0] + 1:
+        raise ValueError(f"row_start has {row_start.shape[0]} entries for {slots.shape[0]} lanes")
+
+
+def _launch(x, row_start, slots, weight, tails, key_heads, key_dim, qn, kn, out, stream) -> None:
+    """The conv (and norm) launch, then the tail update, on `stream`."""
+    rows, channels = x.shape
+    lanes = slots.shape[0]
+    if not (rows and lanes):
+        return
+    row_tile = 1 if rows <= lanes else ROW_TILE
+    plain = channels - 2 * key_heads * key_dim
+    grid = (blocks(rows, row_tile), 2 * key_heads + (blocks(plain) if plain else 0))
+    _conv_kernel_for(weight.shape[1], key_dim, row_tile)[grid, THREADS, stream](
+        x, row_start, slots, weight, tails, key_heads, qn, kn, out)
+    _tail_kernel[(blocks(channels), lanes), THREADS, stream](x, row_start, slots, tails)
+
+
 def causal_conv1d(x, row_start, slots, weight, tails, out=None, stream=0):
     """out = silu(causal depthwise conv of concat(tail, bf16(x))) per lane; tails advance.
 
@@ -127,20 +222,33 @@ def causal_conv1d(x, row_start, slots, weight, tails, out=None, stream=0):
     Raises ValueError when weight, tails or row_start do not fit x.
     Twin: ops.causal_conv1d (tail and x rounded to bf16).
     """
-    check("x", x, np.float32, 2)
-    check("weight", weight, np.float32, 2)
-    check("tails", tails, np.uint16, 3)
-    rows, channels = x.shape
-    lanes = slots.shape[0]
-    if weight.shape[0] != channels or tuple(tails.shape)[1:] != (weight.shape[1] - 1, channels):
-        raise ValueError(f"weight {weight.shape} / tails {tails.shape} do not fit x {x.shape}")
-    if row_start.shape[0] != lanes + 1:
-        raise ValueError(f"row_start has {row_start.shape[0]} entries for {lanes} lanes")
-    out = empty((rows, channels), np.float32, stream) if out is None else out
-    if rows and lanes:
-        row_tile = 1 if rows <= lanes else ROW_TILE
-        _conv_kernel_for(weight.shape[1])[(blocks(rows, row_tile), blocks(channels)), THREADS, stream](
-            x, row_start, slots, weight, tails, row_tile, out
-        )
-        _tail_kernel[(blocks(channels), lanes), THREADS, stream](x, row_start, slots, tails)
+    _check(x, row_start, slots, weight, tails)
+    out = empty(tuple(x.shape), np.float32, stream) if out is None else out
+    none = empty((0, 0, 0), np.float32, stream)
+    _launch(x, row_start, slots, weight, tails, 0, 0, none, none, out, stream)
     return out
+
+
+def causal_conv1d_qkv(x, row_start, slots, weight, tails, key_heads: int, key_dim: int, stream=0):
+    """The linear attention's conv over [q | k | v] channels, q and k L2-normalised per head.
+
+    x, row_start, slots, weight, tails: as `causal_conv1d`, x's first 2 * key_heads *
+    key_dim channels q's heads then k's. Returns (qn, kn, v): qn = l2norm(conv q) *
+    key_dim^-0.5 and kn = l2norm(conv k), f32 [rows, key_heads, key_dim] (norm: x / sqrt(sum
+    x^2 + 1e-6), the sum in a fixed order that depends on no row count); v = the conv of the
+    other channels, f32 [rows, channels - 2 * key_heads * key_dim]. Every value is
+    `causal_conv1d`'s then the norm, bit for bit. Raises ValueError when the arrays do not
+    fit or key_dim exceeds MAX_KEY_DIM. Twins: ops.causal_conv1d, ops.l2_normalize
+    (Qwen3_5GatedDeltaNet's use_qk_l2norm_in_kernel, eps 1e-6).
+    """
+    _check(x, row_start, slots, weight, tails)
+    if not 0 < key_dim <= MAX_KEY_DIM:
+        raise ValueError(f"key_dim must be in 1..{MAX_KEY_DIM}, got {key_dim}")
+    rows, channels = x.shape
+    if key_heads < 1 or 2 * key_heads * key_dim > channels:
+        raise ValueError(f"{key_heads} q and k heads of {key_dim} do not fit x's {channels} channels")
+    qn = empty((rows, key_heads, key_dim), np.float32, stream)
+    kn = empty((rows, key_heads, key_dim), np.float32, stream)
+    v = empty((rows, channels - 2 * key_heads * key_dim), np.float32, stream)
+    _launch(x, row_start, slots, weight, tails, key_heads, key_dim, qn, kn, v, stream)
+    return qn, kn, v

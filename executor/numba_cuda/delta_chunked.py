@@ -401,7 +401,7 @@ def check_chunk_args(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int,
 def delta_chunked(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states, out=None, stream=0):
     """Run the gated delta rule over one stream's prefill chunk, advancing its state in place.
 
-    qn, kn: f32 device [rows, key_heads, key_dim], contiguous (`delta_prep`: qn already
+    qn, kn: f32 device [rows, key_heads, key_dim], contiguous (`conv.causal_conv1d_qkv`: qn already
     scaled by key_dim**-0.5); mixed: f32 [rows, channels] holding v at columns
     [v0, v0 + value_heads * value_dim); g, beta: f32 [rows, value_heads] (value head h reads
     key head h // (value_heads // key_heads)); the rows are the absolute rows

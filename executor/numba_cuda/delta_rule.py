@@ -1,5 +1,6 @@
-"""The gated delta rule of the linear attention: input prep (L2-norm of q and k, decay and
-write strength) and the row-by-row recurrence (decode: one row per lane). The chunked UT
+"""The gated delta rule of the linear attention: its gates (decay and write strength; the
+L2-norm of q and k runs in the conv's pass, conv.causal_conv1d_qkv) and the row-by-row
+recurrence (decode: one row per lane). The chunked UT
 form for one stream's prefill chunk (the fast prefill path) is delta_chunked.py.
 
 The recurrence runs row by row in fp32 with each stream's state [value_heads, key_dim,
@@ -18,7 +19,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import THREADS, check, empty
+from executor.numba_cuda.device import THREADS, blocks, check, empty
 from executor.numba_cuda.launch import fast
 
 MAX_KEY_DIM = 256
@@ -30,67 +31,39 @@ _F32 = np.float32
 
 @fast
 @cuda.jit
-def _prep_kernel(mixed, a, b, a_log, dt_bias, key_heads, key_dim, qn, kn, g, beta):
-    # mixed: [rows, 2 * key_heads * key_dim + value_dim] f32 (conv output: q | k | v)
-    # a, b: [rows, value_heads] f32; qn, kn: [rows, key_heads, key_dim] f32; g, beta: [rows, value_heads]
-    row = cuda.blockIdx.x
-    head = cuda.blockIdx.y
-    t = cuda.threadIdx.x
-    if head == key_heads:
-        for h in range(t, g.shape[1], THREADS):
-            x = a[row, h] + dt_bias[h]
-            sp = x if x > _F32(20.0) else math.log1p(math.exp(x))
-            g[row, h] = -math.exp(a_log[h]) * sp
-            beta[row, h] = _F32(1.0) / (_F32(1.0) + math.exp(-b[row, h]))
+def _gates_kernel(a, b, a_log, dt_bias, g, beta):
+    # a, b: [rows, value_heads] f32 (may be column slices); g, beta: [rows, value_heads] f32
+    i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+    heads = g.shape[1]
+    if i >= g.shape[0] * heads:
         return
-    buf = cuda.shared.array((2, THREADS), np.float32)
-    q0 = head * key_dim
-    k0 = key_heads * key_dim + head * key_dim
-    sq = _F32(0.0)
-    sk = _F32(0.0)
-    for i in range(t, key_dim, THREADS):
-        sq += mixed[row, q0 + i] * mixed[row, q0 + i]
-        sk += mixed[row, k0 + i] * mixed[row, k0 + i]
-    buf[0, t] = sq
-    buf[1, t] = sk
-    cuda.syncthreads()
-    step = THREADS // 2
-    while step > 0:
-        if t < step:
-            buf[0, t] += buf[0, t + step]
-            buf[1, t] += buf[1, t + step]
-        cuda.syncthreads()
-        step //= 2
-    inv_q = _F32(1.0) / math.sqrt(buf[0, 0] + _F32(1e-6))
-    inv_k = _F32(1.0) / math.sqrt(buf[1, 0] + _F32(1e-6))
-    scale = _F32(1.0) / math.sqrt(_F32(key_dim))
-    for i in range(t, key_dim, THREADS):
-        qn[row, head, i] = (mixed[row, q0 + i] * inv_q) * scale
-        kn[row, head, i] = mixed[row, k0 + i] * inv_k
+    row = i // heads
+    h = i % heads
+    x = a[row, h] + dt_bias[h]
+    sp = x if x > _F32(20.0) else math.log1p(math.exp(x))
+    g[row, h] = -math.exp(a_log[h]) * sp
+    beta[row, h] = _F32(1.0) / (_F32(1.0) + math.exp(-b[row, h]))
 
 
-def delta_prep(mixed, a, b, a_log, dt_bias, key_heads: int, key_dim: int, stream=0):
-    """L2-normalised (and for q, 1/sqrt(key_dim)-scaled) q and k, and the gates.
+def delta_gates(a, b, a_log, dt_bias, stream=0):
+    """The decay (log space) and write strength of every row and value head:
+    g = -exp(a_log) * softplus(a + dt_bias) (softplus(x) = x past 20), beta = sigmoid(b).
 
-    mixed: f32 device [rows, conv_channels] (conv output); a, b: f32 [rows, value_heads]
-    (may be column slices); a_log, dt_bias: f32 [value_heads].
-    Returns (qn, kn f32 [rows, key_heads, key_dim], g, beta f32 [rows, value_heads]).
-    Twins: ops.l2_normalize (q then times key_dim**-0.5), ops.delta_gates.
+    a, b: f32 device [rows, value_heads] (may be column slices of the in_proj output);
+    a_log, dt_bias: f32 [value_heads]. Returns (g, beta), f32 [rows, value_heads]. One
+    thread per element. Raises ValueError on a wrong dtype, rank or shape. Twin:
+    ops.delta_gates (Qwen3_5GatedDeltaNet's g and beta).
     """
-    check("mixed", mixed, np.float32, 2)
     check("a", a, np.float32, 2)
     check("b", b, np.float32, 2)
-    rows = mixed.shape[0]
-    value_heads = a.shape[1]
-    qn = empty((rows, key_heads, key_dim), np.float32, stream)
-    kn = empty((rows, key_heads, key_dim), np.float32, stream)
+    if tuple(b.shape) != tuple(a.shape) or a_log.shape[0] != a.shape[1] or dt_bias.shape[0] != a.shape[1]:
+        raise ValueError(f"a {a.shape}, b {b.shape}, a_log {a_log.shape}, dt_bias {dt_bias.shape} do not fit")
+    rows, value_heads = a.shape
     g = empty((rows, value_heads), np.float32, stream)
     beta = empty((rows, value_heads), np.float32, stream)
     if rows:
-        _prep_kernel[(rows, key_heads + 1), THREADS, stream](
-            mixed, a, b, a_log, dt_bias, key_heads, key_dim, qn, kn, g, beta
-        )
-    return qn, kn, g, beta
+        _gates_kernel[blocks(rows * value_heads), THREADS, stream](a, b, a_log, dt_bias, g, beta)
+    return g, beta
 
 
 @fast
@@ -160,7 +133,7 @@ def _recurrence_kernel(qn, kn, mixed, v0, g, beta, row_start, slots, states, out
 def delta_recurrence(qn, kn, mixed, v0: int, g, beta, row_start, slots, states, out=None, stream=0):
     """Run the gated delta rule over each lane's rows, advancing its state in place.
 
-    qn, kn: f32 device [rows, key_heads, key_dim] (`delta_prep`); mixed: f32 [rows, channels]
+    qn, kn: f32 device [rows, key_heads, key_dim] (`conv.causal_conv1d_qkv`); mixed: f32 [rows, channels]
     holding v at columns [v0, v0 + value_heads * value_dim); g, beta: f32 [rows, value_heads];
     row_start: i32 [lanes + 1] (lane l owns rows [row_start[l], row_start[l + 1]));
     slots: i32 [lanes], distinct; states: f32 [slots, value_heads, key_dim, value_dim] (one

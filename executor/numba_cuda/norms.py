@@ -279,32 +279,50 @@ GATED_WARPS = 8
 """(row, head) pairs per block of `gated_rms_norm`: one warp each."""
 
 
-@fast
-@cuda.jit
-def _gated_rms_norm_kernel(x, gate, weight, eps, out):
-    # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32
-    # out: [rows, heads * dim] bf16; one warp per (row, head)
-    heads = x.shape[1]
-    dim = x.shape[2]
-    pair = cuda.blockIdx.x * GATED_WARPS + cuda.threadIdx.x // 32
-    lane = cuda.threadIdx.x % 32
-    scratch = cuda.shared.array((GATED_WARPS, 32), np.float32)  # the simulator's warp tree only
-    live = pair < x.shape[0] * heads
-    if not live:
-        pair = 0  # idle warps of the last block compute a real pair and store nothing
-    row = pair // heads
-    head = pair % heads
-    ssq = _F32(0.0)
-    for i in range(lane, dim, 32):
-        v = x[row, head, i]
-        ssq += v * v
-    ssq = warp_sum(ssq, scratch)
-    inv = _F32(1.0) / math.sqrt(ssq / _F32(dim) + _F32(eps))
-    if live:
-        for i in range(lane, dim, 32):
-            g = gate[row, head * dim + i]
-            silu = g / (_F32(1.0) + math.exp(-g))
-            out[row, head * dim + i] = f32_to_bf16(x[row, head, i] * inv * weight[i] * silu)
+@functools.cache
+def _gated_rms_norm_kernel_for(dim: int, warps: int = GATED_WARPS):
+    """The gated RMSNorm kernel for heads of `dim`: each lane loads its dim / 32 values of x
+    and of the gate before it sums any (a lane that loaded, summed and loaded again had one
+    load in flight: ~1.2 TB/s at the 9B's shapes, bench/RESULTS.md session 28), in the same
+    order as ever: lane's dims lane, lane + 32, ... from 0, then the xor butterfly."""
+    n = max(1, -(-dim // 32))  # values a lane holds
+
+    @fast
+    @cuda.jit
+    def _gated_rms_norm_kernel(x, gate, weight, eps, out):
+        # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32
+        # out: [rows, heads * dim] bf16; one warp per (row, head)
+        heads = x.shape[1]
+        pair = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        scratch = cuda.shared.array((warps, 32), np.float32)  # the simulator's warp tree only
+        live = pair < x.shape[0] * heads
+        if not live:
+            pair = 0  # idle warps of the last block compute a real pair and store nothing
+        row = pair // heads
+        head = pair % heads
+        xs = cuda.local.array(n, np.float32)
+        gs = cuda.local.array(n, np.float32)
+        for k in range(n):
+            i = lane + 32 * k
+            if i < dim:
+                xs[k] = x[row, head, i]
+                gs[k] = gate[row, head * dim + i]
+        ssq = _F32(0.0)
+        for k in range(n):
+            if lane + 32 * k < dim:
+                ssq += xs[k] * xs[k]
+        ssq = warp_sum(ssq, scratch)
+        inv = _F32(1.0) / math.sqrt(ssq / _F32(dim) + _F32(eps))
+        if live:
+            for k in range(n):
+                i = lane + 32 * k
+                if i < dim:
+                    g = gs[k]
+                    silu = g / (_F32(1.0) + math.exp(-g))
+                    out[row, head * dim + i] = f32_to_bf16(xs[k] * inv * weight[i] * silu)
+
+    return _gated_rms_norm_kernel
 
 
 def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
@@ -325,7 +343,7 @@ def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
     out = empty((rows, heads * dim), np.uint16, stream) if out is None else out
     if rows:
         pairs = rows * heads
-        _gated_rms_norm_kernel[(pairs + GATED_WARPS - 1) // GATED_WARPS, GATED_WARPS * 32, stream](x, gate, weight,
-                                                                                                  eps, out)
+        _gated_rms_norm_kernel_for(dim)[(pairs + GATED_WARPS - 1) // GATED_WARPS, GATED_WARPS * 32, stream](
+            x, gate, weight, eps, out)
     return out
 

@@ -26,7 +26,7 @@ TOL = 1e-4  # relative to max |ref|: fp32 sub-chunks against the float64 twin (~
 def _chunked(inputs, states, slot, start_row, cuts):
     """delta_chunked over input rows [cuts[i], cuts[i + 1]) (absolute start_row + cuts[i])."""
     q, k, v, g, beta = inputs
-    qn = (q * np.float32(q.shape[2] ** -0.5)).astype(np.float32)  # delta_prep scales q
+    qn = (q * np.float32(q.shape[2] ** -0.5)).astype(np.float32)  # causal_conv1d_qkv scales q
     r = rng()
     outs = []
     for a, b in pairwise(cuts):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from executor.numba_cuda import conv, delta_rule
-from executor.numba_cuda.device import poisoned, to_device
+from executor.numba_cuda.device import THREADS, poisoned, to_device
 from executor.reference import ops
 from tests.executor.numba_cuda.kernel_support import as_f32, bf16, host, rng
 from tests.helpers import assert_close
@@ -103,7 +103,116 @@ def test_causal_conv1d_decode_lanes():
         np.testing.assert_array_equal(as_f32(d_tails.copy_to_host()[slot]), ref_tail)
 
 
+def _tree_norm(y, key_dim, scale):
+    """y (f32 [rows, key_dim]) L2-normalised as the conv's norm sums it: thread t of THREADS
+    adds channels t, t + THREADS, ... to 0, then a tree over the THREADS slots (step THREADS
+    / 2 down to 1); all in float32, so the bits are the kernel's (no product is added to
+    anything but 0 when key_dim <= THREADS, so no FMA can differ)."""
+    rows = y.shape[0]
+    buf = np.zeros((rows, THREADS), np.float32)
+    for i in range(key_dim):
+        buf[:, i % THREADS] = buf[:, i % THREADS] + y[:, i] * y[:, i]
+    step = THREADS // 2
+    while step:
+        buf[:, :step] = buf[:, :step] + buf[:, step : 2 * step]
+        step //= 2
+    inv = np.float32(1.0) / np.sqrt(buf[:, :1] + np.float32(1e-6))
+    return (y * inv) * np.float32(scale)
+
+
+def _conv_qkv(x, tails, weight, key_heads, key_dim, row_start, slots):
+    d_tails = to_device(tails)
+    with poisoned():
+        qn, kn, v = conv.causal_conv1d_qkv(to_device(x), to_device(np.asarray(row_start, np.int32)),
+                                           to_device(np.asarray(slots, np.int32)), to_device(weight), d_tails,
+                                           key_heads, key_dim)
+    return host(qn), host(kn), host(v), d_tails.copy_to_host()
+
+
+@pytest.mark.parametrize(("key_heads", "key_dim", "value_channels", "rows"),
+                         [(1, 8, 12, 13), (1, 128, 4, 9), (1, 160, 0, 9)], ids=["small", "a-block", "two-a-thread"])
+def test_causal_conv1d_qkv_is_the_conv_then_the_norm(key_heads, key_dim, value_channels, rows):
+    """q and k heads normalised in the conv's pass: the plain conv's values, normalised in the
+    fixed order (bit for bit where key_dim <= THREADS), and the twins'; v the plain conv's
+    bits; tails advanced as the plain conv advances them; any chunking the same bits. Rows
+    past one tile of ROW_TILE (the simulator runs a block's barriers slowly: few rows)."""
+    r = rng()
+    taps = 4
+    channels = 2 * key_heads * key_dim + value_channels
+    x = r.normal(size=(rows, channels)).astype(np.float32)
+    weight = (r.normal(size=(channels, taps)) / 2).astype(np.float32)
+    tails = bf16(r.normal(size=(2, taps - 1, channels)))
+    qn, kn, v, new_tails = _conv_qkv(x, tails, weight, key_heads, key_dim, [0, rows], [1])
+    plain, plain_tails = _conv(x, tails, weight, 1, [0, rows])
+    np.testing.assert_array_equal(new_tails, plain_tails)
+    np.testing.assert_array_equal(v, plain[:, 2 * key_heads * key_dim :])
+    kd = key_heads * key_dim
+    y_q = plain[:, :kd].reshape(rows, key_heads, key_dim)
+    y_k = plain[:, kd : 2 * kd].reshape(rows, key_heads, key_dim)
+    assert_close("qn", ops.l2_normalize(y_q) * np.float32(key_dim**-0.5), qn, 1e-6, rel=True)
+    assert_close("kn", ops.l2_normalize(y_k), kn, 1e-6, rel=True)
+    if key_dim <= THREADS:
+        scale = np.float32(1.0) / np.sqrt(np.float32(key_dim))
+        for h in range(key_heads):
+            np.testing.assert_array_equal(qn[:, h], _tree_norm(y_q[:, h], key_dim, scale))
+            np.testing.assert_array_equal(kn[:, h], _tree_norm(y_k[:, h], key_dim, np.float32(1.0)))
+    ref, _ = ops.causal_conv1d(as_f32(bf16(x)), as_f32(tails[1]), weight)
+    assert_close("qn vs twins", ops.l2_normalize(ref[:, :kd].reshape(rows, key_heads, key_dim))
+                 * np.float32(key_dim**-0.5), qn, 1e-5, rel=True)
+    if key_dim > 8:
+        return
+    d_tails = to_device(tails)  # rows 0-4 then 5-12 in two calls: the same bits
+    pieces = []
+    for a, b in ((0, 5), (5, rows)):
+        with poisoned():
+            pieces.append([host(o) for o in conv.causal_conv1d_qkv(
+                to_device(x[a:b]), to_device(np.array([0, b - a], np.int32)), to_device(np.array([1], np.int32)),
+                to_device(weight), d_tails, key_heads, key_dim)])
+    for i, whole in enumerate((qn, kn, v)):
+        np.testing.assert_array_equal(np.concatenate([p[i] for p in pieces]), whole)
+    np.testing.assert_array_equal(d_tails.copy_to_host(), new_tails)
+
+
+def test_causal_conv1d_qkv_lanes_and_decode():
+    """Lanes of 5, 0, 6 and 1 rows (tiles cross lanes), and one row per lane (decode): every
+    value is the plain conv's of the same call, normalised in the fixed order, bit for bit
+    (the plain conv's lanes are checked against solo runs and the twin above)."""
+    r = rng()
+    key_heads, key_dim, taps = 1, 8, 4
+    channels = 2 * key_dim + 4
+    weight = (r.normal(size=(channels, taps)) / 2).astype(np.float32)
+    tails = bf16(r.normal(size=(4, taps - 1, channels)))
+    scale = np.float32(1.0) / np.sqrt(np.float32(key_dim))
+    for row_start, slots in (([0, 5, 5, 11, 12], [2, 0, 3, 1]), ([0, 1, 2, 3], [2, 0, 3])):
+        x = r.normal(size=(row_start[-1], channels)).astype(np.float32)
+        qn, kn, v, new_tails = _conv_qkv(x, tails, weight, key_heads, key_dim, row_start, slots)
+        d_tails = to_device(tails)
+        with poisoned():
+            plain = host(conv.causal_conv1d(to_device(x), to_device(np.asarray(row_start, np.int32)),
+                                            to_device(np.asarray(slots, np.int32)), to_device(weight), d_tails))
+        np.testing.assert_array_equal(new_tails, d_tails.copy_to_host())
+        np.testing.assert_array_equal(v, plain[:, 2 * key_dim :])
+        np.testing.assert_array_equal(qn[:, 0], _tree_norm(plain[:, :key_dim], key_dim, scale))
+        np.testing.assert_array_equal(kn[:, 0], _tree_norm(plain[:, key_dim : 2 * key_dim], key_dim, np.float32(1)))
+
+
+def test_causal_conv1d_qkv_refuses_what_does_not_fit():
+    r = rng()
+    x = to_device(r.normal(size=(3, 40)).astype(np.float32))
+    weight = to_device(np.ones((40, 4), np.float32))
+    tails = to_device(np.zeros((1, 3, 40), np.uint16))
+    rs, sl = to_device(np.array([0, 3], np.int32)), to_device(np.array([0], np.int32))
+    with pytest.raises(ValueError, match="key_dim must be in 1..256"):
+        conv.causal_conv1d_qkv(x, rs, sl, weight, tails, 1, 0)
+    with pytest.raises(ValueError, match="q and k heads of 16 do not fit"):
+        conv.causal_conv1d_qkv(x, rs, sl, weight, tails, 2, 16)
+    with pytest.raises(ValueError, match="do not fit x"):
+        conv.causal_conv1d_qkv(x, rs, sl, to_device(np.ones((39, 4), np.float32)), tails, 1, 16)
+
+
 def _inputs(r, rows, key_heads=1, value_heads=2, key_dim=8, value_dim=4):
+    """(q | k | v conv outputs [rows, channels], a | b [rows, 2 value_heads], a_log, dt_bias,
+    key_heads, key_dim)."""
     key = 2 * key_heads * key_dim
     mixed = r.normal(size=(rows, key + value_heads * value_dim)).astype(np.float32)
     ab = r.normal(size=(rows, 2 * value_heads)).astype(np.float32)
@@ -112,34 +221,40 @@ def _inputs(r, rows, key_heads=1, value_heads=2, key_dim=8, value_dim=4):
     return mixed, ab, a_log, dt_bias, key_heads, key_dim
 
 
+def _qk(mixed, key_heads, key_dim):
+    """The normalised q (times key_dim^-0.5) and k of conv outputs, as the conv's pass gives them."""
+    rows, kd = mixed.shape[0], key_heads * key_dim
+    q = ops.l2_normalize(mixed[:, :kd].reshape(rows, key_heads, key_dim)) * np.float32(key_dim**-0.5)
+    k = ops.l2_normalize(mixed[:, kd : 2 * kd].reshape(rows, key_heads, key_dim))
+    return q.astype(np.float32), k
+
+
 def _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, slots, row_start):
     value_heads = a_log.shape[0]
     d_ab = to_device(ab)
+    q, k = _qk(mixed, key_heads, key_dim)
     with poisoned():
-        qn, kn, g, beta = delta_rule.delta_prep(
-            to_device(mixed), d_ab[:, :value_heads], d_ab[:, value_heads:], to_device(a_log), to_device(dt_bias),
-            key_heads, key_dim,
-        )
+        g, beta = delta_rule.delta_gates(d_ab[:, :value_heads], d_ab[:, value_heads:], to_device(a_log),
+                                         to_device(dt_bias))
         out = delta_rule.delta_recurrence(
-            qn, kn, to_device(mixed), 2 * key_heads * key_dim, g, beta, to_device(np.asarray(row_start, np.int32)),
-            to_device(np.asarray(slots, np.int32)), states,
+            to_device(q), to_device(k), to_device(np.ascontiguousarray(mixed[:, 2 * key_heads * key_dim :])), 0, g,
+            beta, to_device(np.asarray(row_start, np.int32)), to_device(np.asarray(slots, np.int32)), states,
         )
-    return host(qn), host(kn), host(g), host(beta), host(out)
+    return q, k, host(g), host(beta), host(out)
 
 
-def test_delta_prep_matches_twins():
+def test_delta_gates_match_twins():
     r = rng()
     mixed, ab, a_log, dt_bias, key_heads, key_dim = _inputs(r, 3)
+    ab[0, 0] = 25.0  # softplus's linear branch (x > 20)
     states = to_device(np.zeros((1, 2, key_dim, 4), np.float32))
-    qn, kn, g, beta, _ = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [0], [0, 3])
-    kd = key_heads * key_dim
-    q = mixed[:, :kd].reshape(3, key_heads, key_dim)
-    k = mixed[:, kd : 2 * kd].reshape(3, key_heads, key_dim)
-    assert_close("qn", ops.l2_normalize(q) * key_dim**-0.5, qn, 1e-5, rel=True)
-    assert_close("kn", ops.l2_normalize(k), kn, 1e-5, rel=True)
+    _, _, g, beta, _ = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [0], [0, 3])
     g_ref, beta_ref = ops.delta_gates(ab[:, :2], ab[:, 2:], a_log, dt_bias)
     assert_close("g", g_ref, g, 1e-5, rel=True)
     assert_close("beta", beta_ref, beta, 1e-5, rel=True)
+    d = to_device(ab)
+    with pytest.raises(ValueError, match="do not fit"):
+        delta_rule.delta_gates(d[:, :2], d[:, 1:], to_device(a_log), to_device(dt_bias))
 
 
 @pytest.mark.parametrize("start_row", [0, 61])

@@ -326,14 +326,17 @@ def test_chunk_invariance_catches_a_planted_break(models, monkeypatch):
     _, gpu = models
     ids = _prompt(gpu.config, 200, 4)
     whole = _chunked(gpu, ids, [0, 200])
-    real = nb_backend.conv.causal_conv1d
+    real = nb_backend.conv.causal_conv1d_qkv
+    planted = []
 
-    def forgets_the_tail(x, row_start, slots, weight, tails, out=None, stream=0):
+    def forgets_the_tail(x, row_start, slots, weight, tails, key_heads, key_dim, stream=0):
         tails.copy_to_device(np.zeros(tails.shape, tails.dtype))  # planted: the conv tail is not carried
-        return real(x, row_start, slots, weight, tails, out, stream)
+        planted.append(x.shape[0])
+        return real(x, row_start, slots, weight, tails, key_heads, key_dim, stream)
 
-    monkeypatch.setattr(nb_backend.conv, "causal_conv1d", forgets_the_tail)
+    monkeypatch.setattr(nb_backend.conv, "causal_conv1d_qkv", forgets_the_tail)
     assert not _same(whole, _chunked(gpu, ids, [0, 64, 200]))
+    assert planted  # the break was in the path the backend runs
 
 
 def test_tail_equals_full(models):
