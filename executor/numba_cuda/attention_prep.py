@@ -3,11 +3,13 @@
 `q_norm_rope` reads the query half of each head of the q_proj output (the gate half is
 read later by attention's combine); `kv_norm_rope_store` norms and rotates K, and writes
 K and V as bf16 at their absolute rows in a stream's cache. Twins: ops.split_query_gate,
-ops.rms_norm (QK-norm), ops.rope. One block per (row, head); angles in float64.
+ops.rms_norm (QK-norm), ops.rope. Angles in float64. K: one block per (row, head); q: one
+block per row and Q_HEADS_PER_BLOCK heads, every bit the same as one block per (row, head).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -15,7 +17,7 @@ from numba import cuda
 
 from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
 from executor.numba_cuda.launch import fast
-from executor.numba_cuda.norms import block_sum
+from executor.numba_cuda.norms import block_sum, warp_sum
 
 MAX_HEAD_DIM = 512
 _F32 = np.float32
@@ -59,17 +61,82 @@ def _norm_rope(src, row, col0, dim, weight, freqs, position, eps, vals, buf):
     cuda.syncthreads()
 
 
-@fast
-@cuda.jit
-def _q_kernel(qg, weight, freqs, positions, eps, head_dim, out):
-    # qg: [rows, heads * 2 * head_dim] f32; positions: [rows] i32; out: [rows, heads, head_dim] f32
-    row = cuda.blockIdx.x
-    head = cuda.blockIdx.y
-    vals = cuda.shared.array(MAX_HEAD_DIM, np.float32)
-    buf = cuda.shared.array(THREADS, np.float32)
-    _norm_rope(qg, row, head * 2 * head_dim, head_dim, weight, freqs, positions[row], eps, vals, buf)
-    for i in range(cuda.threadIdx.x, head_dim, THREADS):
-        out[row, head, i] = vals[i]
+Q_HEADS_PER_BLOCK = 4
+"""Query heads one block of `q_norm_rope` takes (THREADS threads each): a row's rotation
+angles are worked out once for them all."""
+
+
+@functools.cache
+def _q_kernel_for(head_dim: int, half: int):
+    """The query norm + RoPE kernel for heads of `head_dim` with `half` rotated pairs: a block
+    takes Q_HEADS_PER_BLOCK heads of one row, THREADS threads a head. Each thread loads its
+    dims t, t + THREADS, ... before it sums their squares (a thread that loaded, summed and
+    loaded again had one load in flight: 0.73 TB/s at the 9B's 32K chunk, bench/RESULTS.md
+    session 28); the sum is `_norm_rope`'s: from 0 in that order, then the tree over THREADS
+    slots (its wide steps in shared memory, the last five as the xor butterfly, which adds
+    the same pairs), so every bit is what one block per (row, head) gave."""
+    n = -(-head_dim // THREADS)  # dims a thread holds
+    group = Q_HEADS_PER_BLOCK
+    warps = group * THREADS // 32
+    pairs = max(half, 1)
+
+    @fast
+    @cuda.jit
+    def _q_kernel(qg, weight, freqs, positions, eps, out):
+        # qg: [rows, heads * 2 * head_dim] f32; positions: [rows] i32; out: [rows, heads, head_dim] f32
+        tid = cuda.threadIdx.x
+        g = tid // THREADS
+        t = tid % THREADS
+        row = cuda.blockIdx.x
+        head = cuda.blockIdx.y * group + g
+        live = head < out.shape[1]
+        col0 = (head if live else 0) * 2 * head_dim  # a group past the last head computes head 0, stores nothing
+        vals = cuda.shared.array((group, head_dim), np.float32)
+        buf = cuda.shared.array((group, THREADS), np.float32)
+        angles = cuda.shared.array((2, pairs), np.float64)  # cos, sin of the row's angles
+        scratch = cuda.shared.array((warps, 32), np.float32)  # the simulator's warp tree only
+        x = cuda.local.array(n, np.float32)
+        for k in range(n):
+            if t + k * THREADS < head_dim:
+                x[k] = qg[row, col0 + t + k * THREADS]
+        ssq = _F32(0.0)
+        for k in range(n):
+            if t + k * THREADS < head_dim:
+                ssq += x[k] * x[k]
+        buf[g, t] = ssq
+        if tid < half:
+            angle = np.float64(positions[row]) * freqs[tid]
+            angles[0, tid] = math.cos(angle)
+            angles[1, tid] = math.sin(angle)
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step >= 32:
+            if t < step:
+                buf[g, t] += buf[g, t + step]
+            cuda.syncthreads()
+            step //= 2
+        total = warp_sum(buf[g, t % 32], scratch)
+        inv = _F32(1.0) / math.sqrt(total / _F32(head_dim) + _F32(eps))
+        for k in range(n):
+            i = t + k * THREADS
+            if i < head_dim:
+                vals[g, i] = (x[k] * inv) * (_F32(1.0) + weight[i])
+        cuda.syncthreads()
+        if t < half:  # thread t alone reads and writes dims t and t + half of its head
+            a = np.float64(vals[g, t])
+            b = np.float64(vals[g, t + half])
+            c = angles[0, t]
+            s = angles[1, t]
+            vals[g, t] = _F32(a * c - b * s)
+            vals[g, t + half] = _F32(b * c + a * s)
+        cuda.syncthreads()
+        if live:
+            for k in range(n):
+                i = t + k * THREADS
+                if i < head_dim:
+                    out[row, head, i] = vals[g, i]
+
+    return _q_kernel
 
 
 def q_norm_rope(qg, weight, freqs, positions, eps: float, heads: int, head_dim: int, out=None, stream=0):
@@ -88,7 +155,9 @@ def q_norm_rope(qg, weight, freqs, positions, eps: float, heads: int, head_dim: 
         raise ValueError(f"head_dim {head_dim} / rotary pairs {freqs.shape[0]} unsupported")
     out = empty((rows, heads, head_dim), np.float32, stream) if out is None else out
     if rows:
-        _q_kernel[(rows, heads), THREADS, stream](qg, weight, freqs, positions, eps, head_dim, out)
+        grid = (rows, -(-heads // Q_HEADS_PER_BLOCK))
+        _q_kernel_for(head_dim, freqs.shape[0])[grid, Q_HEADS_PER_BLOCK * THREADS, stream](
+            qg, weight, freqs, positions, eps, out)
     return out
 
 

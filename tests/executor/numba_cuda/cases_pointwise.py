@@ -129,9 +129,14 @@ def test_gemv_rejects_k_off_the_16_byte_chunk():
         gemv.gemv(to_device(bf16(np.ones((1, 12)))), to_device(bf16(np.ones((3, 12)))))
 
 
-def test_q_norm_rope():
+@pytest.mark.parametrize(("heads", "head_dim", "rotary"), [(2, 16, 4), (5, 160, 8)],
+                         ids=["small", "heads-past-a-block-dims-past-a-thread"])
+def test_q_norm_rope(heads, head_dim, rotary):
+    """Against the twins; 5 heads leave a block with 3 idle head groups (Q_HEADS_PER_BLOCK 4)
+    that must store nothing, and head_dim 160 gives a thread two dims, one of them past the
+    head for most threads."""
     r = rng()
-    rows, heads, head_dim, rotary = 3, 2, 16, 4
+    rows = 3
     qg = r.normal(size=(rows, heads * 2 * head_dim)).astype(np.float32)
     weight = r.normal(0, 0.1, head_dim).astype(np.float32)
     positions = np.arange(5, 5 + rows, dtype=np.int32)
