@@ -42,7 +42,8 @@ from executor.numba_cuda.norms import warp_sum
 ROW_TILE = 8
 """Consecutive rows of one channel each conv thread computes in prefill (1 in decode)."""
 MAX_KEY_DIM = 2 * THREADS
-"""Largest key head dim `causal_conv1d_qkv` normalises (a thread takes at most two channels)."""
+"""Largest key head dim `causal_conv1d_qkv` normalises (a thread takes at most two channels);
+the delta-rule kernels take at most the same (delta_rule.MAX_KEY_DIM)."""
 _F32 = np.float32
 _WARPS = THREADS // 32
 
@@ -237,8 +238,11 @@ def causal_conv1d_qkv(x, row_start, slots, weight, tails, key_heads: int, key_di
     key_dim^-0.5 and kn = l2norm(conv k), f32 [rows, key_heads, key_dim] (norm: x / sqrt(sum
     x^2 + 1e-6), the sum in a fixed order that depends on no row count); v = the conv of the
     other channels, f32 [rows, channels - 2 * key_heads * key_dim]. Every value is
-    `causal_conv1d`'s then the norm, bit for bit. Raises ValueError when the arrays do not
-    fit or key_dim exceeds MAX_KEY_DIM. Twins: ops.causal_conv1d, ops.l2_normalize
+    `causal_conv1d`'s then the norm; the bits are those of the separate conv and prep
+    kernels this pass replaced (shown on the H200 at key_dim 128, every Qwen3.5 shape,
+    bench/RESULTS.md session 28; under the simulator at any key_dim). Raises ValueError when
+    the arrays do not fit, key_heads < 1, q and k need more than x's channels, or key_dim is
+    not in 1..MAX_KEY_DIM. Twins: ops.causal_conv1d, ops.l2_normalize
     (Qwen3_5GatedDeltaNet's use_qk_l2norm_in_kernel, eps 1e-6).
     """
     _check(x, row_start, slots, weight, tails)

@@ -1,8 +1,8 @@
 """The chunked (UT transform) gated delta rule for one stream's prefill chunk: sub-chunks of
 64 rows anchored at absolute multiples of 64, each computed from its own rows and the
 incoming fp32 state, so any chunking cut on that 64-row grid gives the same bits (DESIGN:
-invariant grid), not other cuts. Decode (one row per lane) and the input prep stay in
-delta_rule.py. Twin: ops.gated_delta_rule_chunked.
+invariant grid), not other cuts. Decode (one row per lane) and the gates are in
+delta_rule.py, q and k's L2 norm in conv.causal_conv1d_qkv. Twin: ops.gated_delta_rule_chunked.
 """
 
 from __future__ import annotations

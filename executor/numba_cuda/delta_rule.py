@@ -8,8 +8,7 @@ value_dim] held in shared memory and written back in fp32 at the end, so every r
 bits are the same whatever chunk (or decode step) it runs in: chunk-invariant at every
 cut. The chunked form runs sub-chunks of 64 rows anchored at absolute multiples of 64,
 each from its own rows and the incoming fp32 state: bit-identical for any chunking cut on
-that grid (DESIGN: invariant grid), not at other cuts. Twins: ops.l2_normalize,
-ops.delta_gates, ops.gated_delta_rule_chunked / ops.gated_delta_rule_step.
+that grid (DESIGN: invariant grid), not at other cuts. Twins: ops.delta_gates, ops.gated_delta_rule_chunked / ops.gated_delta_rule_step.
 """
 
 from __future__ import annotations

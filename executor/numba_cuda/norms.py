@@ -331,8 +331,9 @@ def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
     x: f32 [rows, heads, dim]; gate: f32 [rows, heads * dim] (may be a column slice of a
     wider GEMM output); weight: f32 [dim]; returns uint16 (bf16) [rows, heads * dim].
     One warp per (row, head): a lane sums dims lane, lane + 32, ... then a fixed xor
-    butterfly; a row's bits never depend on the other rows. Twin: ops.gated_rms_norm (its
-    output flattened per row).
+    butterfly; a row's bits never depend on the other rows. Raises ValueError naming the
+    argument on a wrong dtype or rank, or when gate or weight do not fit x. Twin:
+    ops.gated_rms_norm (its output flattened per row).
     """
     check("x", x, np.float32, 3)
     check("gate", gate, np.float32, 2)

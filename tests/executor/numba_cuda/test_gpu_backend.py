@@ -608,7 +608,7 @@ def test_fast_launches_give_numba_s_bits(models):
 
     fused_norm = norms.fused_unavailable(gpu.config.hidden_size, norms.PREFILL_NORM_THREADS) is None
     expected = ["_embed_kernel", "fused_add_rms_norm" if fused_norm else "_add_rms_norm_kernel", "_conv_kernel",
-                "_swiglu4_kernel", "_kv_kernel", "kernel", "_gated_rms_norm_kernel"]
+                "_swiglu4_kernel", "_kv_kernel", "kernel", "_gated_rms_norm_kernel", "_gates_kernel"]
     if gpu.prefill_attention == "flash" and FULL in gpu.config.layer_types[:-1]:  # the last layer's q is skipped here
         expected.append("flash_kernel")
     if gpu.prefill_delta == "mma":
