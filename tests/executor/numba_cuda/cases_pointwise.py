@@ -5,11 +5,13 @@ simulator, or directly with pytest on a GPU. Outputs are poisoned before launch.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from executor.numba_cuda import attention_prep, elementwise, gemv, norms
-from executor.numba_cuda.device import empty, poisoned, to_device
+from executor.numba_cuda.device import IS_SIMULATOR, empty, poisoned, to_device
 from executor.reference import ops
 from tests.executor.numba_cuda.kernel_support import as_f32, bf16, host, rng
 from tests.helpers import assert_close
@@ -88,6 +90,71 @@ def test_gated_rms_norm_reads_a_column_slice(rows, heads, dim):
         out = host(norms.gated_rms_norm(to_device(x), to_device(wide)[:, 5:], to_device(weight), 1e-6))
     ref = ops.gated_rms_norm(x, wide[:, 5:].reshape(rows, heads, dim), weight, 1e-6).reshape(rows, -1)
     assert_close("gated_rms_norm", ref, as_f32(out), BF16_TOL, rel=True)
+
+
+def _gated_inv(x, eps, reverse=False):
+    """float32 1 / rms of one head as gated_rms_norm computes it under the simulator: lane l sums
+    x_i^2 for i = l, l + 32, ... (reverse: the other way round) from 0, then the 32 lanes' sums
+    fold in a tree (16, 8, ..., 1)."""
+    f = np.float32
+    lanes = []
+    for lane in range(32):
+        s = f(0.0)
+        for i in range(lane, x.shape[0], 32)[:: -1 if reverse else 1]:
+            s = f(s + f(x[i] * x[i]))
+        lanes.append(s)
+    step = 16
+    while step:
+        lanes[:step] = [f(lanes[j] + lanes[j + step]) for j in range(step)]
+        step //= 2
+    return f(1.0) / f(math.sqrt(f(lanes[0] / f(x.shape[0])) + f(eps)))
+
+
+def _gated_emulation(x, gate, weight, inv):
+    """bf16 bits of x * inv * weight * silu(gate), in float32 in the kernel's order."""
+    f = np.float32
+    silu = np.array([g / (f(1.0) + f(math.exp(-g))) for g in gate], np.float32)
+    return bf16(((x * inv) * weight) * silu)
+
+
+def test_gated_rms_norm_sums_in_its_order():
+    """A head whose squares span 40 binary orders, so summing a lane's dims the other way
+    round changes inv, and one weight set so that change flips that output's bf16 rounding:
+    the kernel's bits are the emulation's in its order and not in the reverse one (its bf16
+    output hides a reordered sum on ordinary data)."""
+    if not IS_SIMULATOR:
+        pytest.skip("the emulation is the simulator's float32 arithmetic (a GPU may fuse the squares' adds)")
+    r = rng()
+    dim, eps = 128, 1e-6
+    f = np.float32
+    for _ in range(100):
+        x = (np.exp2(r.uniform(-20, 0, dim)) * r.choice([-1, 1], dim)).astype(np.float32)
+        gate = r.normal(1.0, 0.5, dim).astype(np.float32)
+        ours, reverse = _gated_inv(x, eps), _gated_inv(x, eps, reverse=True)
+        if ours == reverse:
+            continue
+        i = int(np.argmax(np.abs(x)))  # weight i puts output i at a bf16 rounding tie, give or take ulps
+        weight = np.ones(dim, np.float32)
+        value = f(f(x[i] * ours) * (gate[i] / (f(1.0) + f(math.exp(-gate[i])))))
+        tie = (np.array([value], np.float32).view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(0x8000)
+        w = f(tie.view(np.float32)[0] / value)
+        found = False
+        for step in range(-64, 65):
+            weight[i] = w
+            for _ in range(abs(step)):
+                weight[i] = np.nextafter(weight[i], f(np.sign(step) * np.inf))
+            if not np.array_equal(_gated_emulation(x, gate, weight, ours), _gated_emulation(x, gate, weight, reverse)):
+                found = True
+                break
+        if found:
+            break
+    else:
+        pytest.fail("no order-sensitive input found")
+    expected = _gated_emulation(x, gate, weight, ours)
+    with poisoned():
+        out = host(norms.gated_rms_norm(to_device(x.reshape(1, 1, dim)), to_device(gate.reshape(1, dim)),
+                                        to_device(weight), eps))
+    np.testing.assert_array_equal(out[0], expected)
 
 
 @pytest.mark.parametrize("inter", [70, 72, 1032])
