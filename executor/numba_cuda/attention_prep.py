@@ -144,7 +144,8 @@ def q_norm_rope(qg, weight, freqs, positions, eps: float, heads: int, head_dim: 
 
     qg: f32 device [rows, heads * 2 * head_dim] (q_proj output: per head query then gate);
     weight: f32 [head_dim]; freqs: f64 [rotary_dim / 2] (`inv_freq`); positions: i32 [rows];
-    returns f32 [rows, heads, head_dim]. Twins: ops.split_query_gate, ops.rms_norm, ops.rope.
+    out: None or f32 [rows, heads, head_dim]; returns it. Raises ValueError naming the argument
+    when an array does not fit. Twins: ops.split_query_gate, ops.rms_norm, ops.rope.
     """
     check("qg", qg, np.float32, 2)
     check("positions", positions, np.int32, 1)
@@ -153,7 +154,12 @@ def q_norm_rope(qg, weight, freqs, positions, eps: float, heads: int, head_dim: 
         raise ValueError(f"qg {qg.shape} / positions {positions.shape} do not fit {heads} heads of {head_dim}")
     if head_dim > MAX_HEAD_DIM or 2 * freqs.shape[0] > head_dim or freqs.shape[0] > THREADS:
         raise ValueError(f"head_dim {head_dim} / rotary pairs {freqs.shape[0]} unsupported")
-    out = empty((rows, heads, head_dim), np.float32, stream) if out is None else out
+    if out is None:
+        out = empty((rows, heads, head_dim), np.float32, stream)
+    else:  # the kernel stores the heads of out.shape[1]: a wider out would read past qg's row
+        check("out", out, np.float32, 3)
+        if tuple(out.shape) != (rows, heads, head_dim):
+            raise ValueError(f"out {tuple(out.shape)} must be [{rows}, {heads}, {head_dim}]")
     if rows:
         grid = (rows, -(-heads // Q_HEADS_PER_BLOCK))
         _q_kernel_for(head_dim, freqs.shape[0])[grid, Q_HEADS_PER_BLOCK * THREADS, stream](
