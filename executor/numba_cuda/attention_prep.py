@@ -17,7 +17,7 @@ from numba import cuda
 
 from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
 from executor.numba_cuda.launch import fast
-from executor.numba_cuda.norms import block_sum, warp_sum
+from executor.numba_cuda.norms import block_sum, fold_wide, warp_sum
 
 MAX_HEAD_DIM = 512
 _F32 = np.float32
@@ -109,12 +109,7 @@ def _q_kernel_for(head_dim: int, half: int):
             angles[0, tid] = math.cos(angle)
             angles[1, tid] = math.sin(angle)
         cuda.syncthreads()
-        step = THREADS // 2
-        while step >= 32:
-            if t < step:
-                buf[g, t] += buf[g, t + step]
-            cuda.syncthreads()
-            step //= 2
+        fold_wide(buf, g, 1)
         total = warp_sum(buf[g, t % 32], scratch)
         inv = _F32(1.0) / math.sqrt(total / _F32(head_dim) + _F32(eps))
         for k in range(n):

@@ -37,7 +37,7 @@ from executor.numba_cuda.device import (
     f32_to_bf16,
 )
 from executor.numba_cuda.launch import fast
-from executor.numba_cuda.norms import warp_sum
+from executor.numba_cuda.norms import fold_wide, warp_sum
 
 ROW_TILE = 8
 """Consecutive rows of one channel each conv thread computes in prefill (1 in decode)."""
@@ -137,19 +137,12 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
                 sq += y[k, i] * y[k, i]
             buf[i, t] = sq
         cuda.syncthreads()
-        step = THREADS // 2
-        while step >= 32:  # the tree's wide steps in shared memory
-            if t < step:
-                for i in range(row_tile):
-                    buf[i, t] += buf[i, t + step]
-            cuda.syncthreads()
-            step //= 2
+        fold_wide(buf, 0, row_tile)
         scale = _F32(1.0) / math.sqrt(_F32(key_dim))
         is_q = yb < key_heads
         head = yb if is_q else yb - key_heads
         scratch = cuda.shared.array((_WARPS, 32), np.float32)  # the simulator's warp tree only
         for i in range(row_tile):
-            # steps 16 .. 1 in every warp: the xor butterfly gives every lane the tree's sum
             total = warp_sum(buf[i, t % 32], scratch)
             r = r0 + i
             if r < end:

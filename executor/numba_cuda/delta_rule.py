@@ -1,14 +1,15 @@
 """The gated delta rule of the linear attention: its gates (decay and write strength; the
 L2-norm of q and k runs in the conv's pass, conv.causal_conv1d_qkv) and the row-by-row
-recurrence (decode: one row per lane). The chunked UT
-form for one stream's prefill chunk (the fast prefill path) is delta_chunked.py.
+recurrence (decode: one row per lane). The chunked UT form for one stream's prefill chunk
+(the fast prefill path) is delta_chunked.py.
 
 The recurrence runs row by row in fp32 with each stream's state [value_heads, key_dim,
 value_dim] held in shared memory and written back in fp32 at the end, so every row's
 bits are the same whatever chunk (or decode step) it runs in: chunk-invariant at every
 cut. The chunked form runs sub-chunks of 64 rows anchored at absolute multiples of 64,
 each from its own rows and the incoming fp32 state: bit-identical for any chunking cut on
-that grid (DESIGN: invariant grid), not at other cuts. Twins: ops.delta_gates, ops.gated_delta_rule_chunked / ops.gated_delta_rule_step.
+that grid (DESIGN: invariant grid), not at other cuts. Twins: ops.delta_gates,
+ops.gated_delta_rule_chunked / ops.gated_delta_rule_step.
 """
 
 from __future__ import annotations

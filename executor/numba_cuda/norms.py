@@ -101,6 +101,24 @@ else:
 
 
 
+@cuda.jit(device=True, inline=True)
+def fold_wide(buf, first, count):
+    """Steps THREADS / 2 .. 32 of the fixed tree that sums each of rows [first, first + count)
+    of buf (shared f32 [rows, THREADS], a value a slot) into its first 32 slots, a barrier
+    after each step: every thread of the block calls it (thread t works slot t % THREADS).
+    `warp_sum(buf[r, lane], scratch)` then gives every lane row r's tree sum: the xor
+    butterfly adds the pairs of the tree's steps 16 .. 1 (a + b = b + a bit for bit), so the
+    bits are those of `block_sum`'s whole tree over THREADS slots."""
+    t = cuda.threadIdx.x % THREADS
+    step = THREADS // 2
+    while step >= 32:
+        if t < step:
+            for r in range(first, first + count):
+                buf[r, t] += buf[r, t + step]
+        cuda.syncthreads()
+        step //= 2
+
+
 NORM_THREADS = 1024
 """Threads per row of `add_rms_norm` in decode: a decode row is one block, so the row's
 loads must all be in flight at once (a hidden row of 5120 is 5 loads per thread)."""
@@ -280,7 +298,7 @@ GATED_WARPS = 8
 
 
 @functools.cache
-def _gated_rms_norm_kernel_for(dim: int, warps: int = GATED_WARPS):
+def _gated_rms_norm_kernel_for(dim: int):
     """The gated RMSNorm kernel for heads of `dim`: each lane loads its dim / 32 values of x
     and of the gate before it sums any (a lane that loaded, summed and loaded again had one
     load in flight: ~1.2 TB/s at the 9B's shapes, bench/RESULTS.md session 28), in the same
@@ -293,9 +311,9 @@ def _gated_rms_norm_kernel_for(dim: int, warps: int = GATED_WARPS):
         # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32
         # out: [rows, heads * dim] bf16; one warp per (row, head)
         heads = x.shape[1]
-        pair = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
+        pair = cuda.blockIdx.x * GATED_WARPS + cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
-        scratch = cuda.shared.array((warps, 32), np.float32)  # the simulator's warp tree only
+        scratch = cuda.shared.array((GATED_WARPS, 32), np.float32)  # the simulator's warp tree only
         live = pair < x.shape[0] * heads
         if not live:
             pair = 0  # idle warps of the last block compute a real pair and store nothing
