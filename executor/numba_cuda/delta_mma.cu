@@ -29,8 +29,12 @@
 // as three tf32 products (big*small + small*big + big*big, "3xTF32"), which carries ~21 bits
 // of each operand instead of 10. With SPLIT 1, operands that are stored to be multiplied (W and
 // M in scratch, S and V' in shared memory) are stored already rounded to tf32 (the value the
-// product would use anyway), so the inner loops convert only q and k. T comes from a blockwise forward substitution in fp32 on
-// the CUDA cores (16 x 16 diagonal blocks, then block rows in order).
+// product would use anyway), so the inner loops convert only q and k. With SPLIT 3, S and V'
+// are stored as their (tf32(x), tf32(x - tf32(x))) pairs by the warp that owns x, the pair
+// every reader would make: each is read by 4 or 8 warps, which then convert only their A
+// operands (the same products in the same order: the same bits). T comes from a blockwise
+// forward substitution in fp32 on the CUDA cores (16 x 16 diagonal blocks, then block rows in
+// order).
 //
 // Called from numba kernels (delta_mma.py) through numba-cuda's `link=`: entry points are
 // `extern "C" __device__` with numba's calling convention (int status return, result pointer
@@ -91,6 +95,34 @@ __device__ __forceinline__ void mma(float* d, const float* a, const float* b) {
         mma_tf32(d, as[0], as[1], as[2], as[3], bb[0], bb[1]);
     }
     mma_tf32(d, ab[0], ab[1], ab[2], ab[3], bb[0], bb[1]);
+}
+
+// d += a b as `mma` does, with b given already converted: bh = tf32(b) and, for SPLIT 3,
+// bl = tf32(b - bh) (`split_store` wrote them); the same tf32 products in the same order as
+// mma<SPLIT, A_TF32, true>, so the same bits. A warp that only reads b skips its conversion:
+// the walk's B operands (S, V') are stored once by the warp that owns them and read by 4 or 8.
+template <int SPLIT, bool A_TF32 = false>
+__device__ __forceinline__ void mma_split_b(float* d, const float* a, const float* bh, const float* bl) {
+    u32 ab[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ab[i] = (SPLIT == 1 && A_TF32) ? __float_as_uint(a[i]) : tf32(a[i]);
+    if (SPLIT == 3) {
+        u32 as[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) as[i] = tf32(__fsub_rn(a[i], __uint_as_float(ab[i])));
+        mma_tf32(d, ab[0], ab[1], ab[2], ab[3], __float_as_uint(bl[0]), __float_as_uint(bl[1]));
+        mma_tf32(d, as[0], as[1], as[2], as[3], __float_as_uint(bh[0]), __float_as_uint(bh[1]));
+    }
+    mma_tf32(d, ab[0], ab[1], ab[2], ab[3], __float_as_uint(bh[0]), __float_as_uint(bh[1]));
+}
+
+// Store x as a B operand of mma_split_b: hi[0] = tf32(x) and, for SPLIT 3, lo[0] =
+// tf32(x - tf32(x)) (the pair `mma` would make from x); SPLIT 1 stores tf32(x) alone.
+template <int SPLIT>
+__device__ __forceinline__ void split_store(float* hi, float* lo, float x) {
+    const u32 h = tf32(x);
+    hi[0] = __uint_as_float(h);
+    if (SPLIT == 3) lo[0] = __uint_as_float(tf32(__fsub_rn(x, __uint_as_float(h))));
 }
 
 // x as the value a SPLIT-1 product will use (tf32), or x itself for SPLIT 3 (which splits it).
@@ -375,19 +407,25 @@ struct WalkSmem {
     static constexpr int LK = KD + 8;  // k rows, read transposed (banks 8t + g)
     static constexpr int LM = C + 4;   // M rows
     static constexpr int LS = BV + 8;  // S and V' rows, read as B fragments (banks 8t + g)
+    static constexpr int SV = (KD > C ? KD : C) * LS;  // S, then V' (never live together)
     static constexpr int W = 0;
     static constexpr int Q = W + C * LW;
     static constexpr int K = Q + C * LW;
     static constexpr int M = K + C * LK;
-    static constexpr int S = M + C * LM;
-    static constexpr int V = S + KD * LS;
-    static constexpr int DV = V + C * LS;  // e^c, e^(c_last - c)
+    static constexpr int S = M + C * LM;   // tf32(S), then tf32(V')
+    static constexpr int V = S;
+    static constexpr int SL = S + SV;      // SPLIT 3: their low parts, tf32(x - tf32(x))
+    static constexpr int VL = SL;
+    static constexpr int DV = SL + SV;     // e^c, e^(c_last - c)
     static constexpr int FLOATS = DV + 2 * C;
 };
 
 // Phase 2: one CTA of WARPS warps per (BV state columns, value head) walks the sub-chunks.
 // Sub-chunk rows: warp w owns m-tile w % 4 and n-tiles w / 4 + (WARPS / 4) j of V' and O;
-// state rows: warp w owns key m-tiles w + WARPS j.
+// state rows: warp w owns key m-tiles w + WARPS j. S and V' are B operands that 4 or 8 warps
+// read: the warp that owns an element stores its tf32 pair once (split_store), and the
+// readers multiply without converting (mma_split_b). S's buffer is reused for V' (S is read
+// only by W S and q S, V' written after the barrier that ends them).
 template <int KD, int BV, int WARPS, int SPLIT>
 __device__ __forceinline__ void walk(const float* q, const float* k, const float* w_in, const float* u_in,
                                      const float* m_in, const float* dv_in, float* state, float* out, int rows,
@@ -405,7 +443,9 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
     float* kt = smem + L::K;
     float* ms = smem + L::M;
     float* ss = smem + L::S;
+    float* sl = smem + L::SL;
     float* vn = smem + L::V;
+    float* vl = smem + L::VL;
     float* dv = smem + L::DV;
 
     const int hv = blockIdx.y, col0 = blockIdx.x * BV;
@@ -476,11 +516,11 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             if (mt < MT) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    float* dst = ss + (16 * mt + gq) * L::LS + 8 * nt + 2 * tq;
-                    dst[0] = operand<SPLIT>(sacc[j][nt][0]);
-                    dst[1] = operand<SPLIT>(sacc[j][nt][1]);
-                    dst[8 * L::LS] = operand<SPLIT>(sacc[j][nt][2]);
-                    dst[8 * L::LS + 1] = operand<SPLIT>(sacc[j][nt][3]);
+                    const int at = (16 * mt + gq) * L::LS + 8 * nt + 2 * tq;
+                    split_store<SPLIT>(ss + at, sl + at, sacc[j][nt][0]);
+                    split_store<SPLIT>(ss + at + 1, sl + at + 1, sacc[j][nt][1]);
+                    split_store<SPLIT>(ss + at + 8 * L::LS, sl + at + 8 * L::LS, sacc[j][nt][2]);
+                    split_store<SPLIT>(ss + at + 8 * L::LS + 1, sl + at + 8 * L::LS + 1, sacc[j][nt][3]);
                 }
             }
         }
@@ -513,10 +553,11 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             a_fragment(aq, qs, L::LW, pr, k0, tq);
 #pragma unroll
             for (int j = 0; j < PJ; ++j) {
-                const int col = 8 * (warp / 4 + (WARPS / 4) * j) + gq;
-                const float b[2] = {ss[(k0 + tq) * L::LS + col], ss[(k0 + tq + 4) * L::LS + col]};
-                mma<SPLIT, true, true>(p[j], aw, b);
-                mma<SPLIT, false, true>(z[j], aq, b);
+                const int at = (k0 + tq) * L::LS + 8 * (warp / 4 + (WARPS / 4) * j) + gq;
+                const float bh[2] = {ss[at], ss[at + 4 * L::LS]};
+                const float bl[2] = {sl[at], sl[at + 4 * L::LS]};
+                mma_split_b<SPLIT, true>(p[j], aw, bh, bl);
+                mma_split_b<SPLIT, false>(z[j], aq, bh, bl);
             }
         }
         __syncthreads();  // W, q and S buffers read
@@ -532,12 +573,11 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         const float e0 = dv[pr], e1 = dv[pr + 8];
 #pragma unroll
         for (int j = 0; j < PJ; ++j) {
-            const int col = 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
-            float* dst = vn + pr * L::LS + col;
-            dst[0] = operand<SPLIT>(__fsub_rn(uf[j][0], p[j][0]));
-            dst[1] = operand<SPLIT>(__fsub_rn(uf[j][1], p[j][1]));
-            dst[8 * L::LS] = operand<SPLIT>(__fsub_rn(uf[j][2], p[j][2]));
-            dst[8 * L::LS + 1] = operand<SPLIT>(__fsub_rn(uf[j][3], p[j][3]));
+            const int at = pr * L::LS + 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
+            split_store<SPLIT>(vn + at, vl + at, __fsub_rn(uf[j][0], p[j][0]));
+            split_store<SPLIT>(vn + at + 1, vl + at + 1, __fsub_rn(uf[j][1], p[j][1]));
+            split_store<SPLIT>(vn + at + 8 * L::LS, vl + at + 8 * L::LS, __fsub_rn(uf[j][2], p[j][2]));
+            split_store<SPLIT>(vn + at + 8 * L::LS + 1, vl + at + 8 * L::LS + 1, __fsub_rn(uf[j][3], p[j][3]));
             z[j][0] = __fmul_rn(z[j][0], e0);
             z[j][1] = __fmul_rn(z[j][1], e0);
             z[j][2] = __fmul_rn(z[j][2], e1);
@@ -552,9 +592,10 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             a_fragment(am, ms, L::LM, pr, k0, tq);
 #pragma unroll
             for (int j = 0; j < PJ; ++j) {
-                const int col = 8 * (warp / 4 + (WARPS / 4) * j) + gq;
-                const float b[2] = {vn[(k0 + tq) * L::LS + col], vn[(k0 + tq + 4) * L::LS + col]};
-                mma<SPLIT, true, true>(z[j], am, b);
+                const int at = (k0 + tq) * L::LS + 8 * (warp / 4 + (WARPS / 4) * j) + gq;
+                const float bh[2] = {vn[at], vn[at + 4 * L::LS]};
+                const float bl[2] = {vl[at], vl[at + 4 * L::LS]};
+                mma_split_b<SPLIT, true>(z[j], am, bh, bl);
             }
         }
 #pragma unroll
@@ -579,11 +620,14 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
 #pragma unroll
         for (int k0 = 0; k0 < C; k0 += 8) {
             const float d0 = dv[C + k0 + tq], d1 = dv[C + k0 + tq + 4];
-            float b[NT][2];
+            float bh[NT][2], bl[NT][2];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                b[nt][0] = vn[(k0 + tq) * L::LS + 8 * nt + gq];
-                b[nt][1] = vn[(k0 + tq + 4) * L::LS + 8 * nt + gq];
+                const int at = (k0 + tq) * L::LS + 8 * nt + gq;
+                bh[nt][0] = vn[at];
+                bh[nt][1] = vn[at + 4 * L::LS];
+                bl[nt][0] = vl[at];
+                bl[nt][1] = vl[at + 4 * L::LS];
             }
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
@@ -594,7 +638,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                                         __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0], d1),
                                         __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0 + 8], d1)};
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) mma<SPLIT, false, true>(sacc[j][nt], a, b[nt]);
+                    for (int nt = 0; nt < NT; ++nt) mma_split_b<SPLIT>(sacc[j][nt], a, bh[nt], bl[nt]);
                 }
             }
         }

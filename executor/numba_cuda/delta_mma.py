@@ -78,7 +78,7 @@ def _prepare_floats(kd: int, vd: int) -> int:
 def _walk_floats(kd: int, bv: int) -> int:
     """Dynamic shared floats of phase 2 (WalkSmem in the source)."""
     c = SUBCHUNK_ROWS
-    return 2 * c * (kd + 4) + c * (kd + 8) + c * (c + 4) + kd * (bv + 8) + c * (bv + 8) + 2 * c
+    return 2 * c * (kd + 4) + c * (kd + 8) + c * (c + 4) + 2 * max(kd, c) * (bv + 8) + 2 * c
 
 
 @functools.cache
@@ -107,6 +107,17 @@ def walk_shape(value_dim: int, value_heads: int, sms: int = SMS) -> tuple[int, i
     return 32, 8
 
 
+def prepare_ctas(blocks: int, split: int, sms: int = SMS) -> int:
+    """CTAs a multiprocessor phase 1's registers are capped for (its launch bounds) when its
+    grid has `blocks` CTAs: 2 with split 1; with split 3, 2 when the grid is more than one
+    wave at one CTA a multiprocessor, else 1. At 128 registers the 3xTF32 kernel spills 64
+    bytes a thread, which costs a lone CTA; two CTAs hide each other's barriers and serial
+    forward substitution (H200, RESULTS.md session 29: 9B 8,192 rows 0.790 -> 0.570 ms,
+    27B 4,096 rows 0.550 -> 0.401 ms; 27B 51 rows, 48 CTAs, 0.026 ms at 1 against 0.029 at 2).
+    Either gives the same bits (the same operations; only the register allocation differs)."""
+    return 2 if split == 1 or blocks > sms else 1
+
+
 def unavailable(key_dim: int, value_dim: int) -> str | None:
     """Why the tensor-core delta rule cannot run here at these dims (None when it can)."""
     if key_dim not in KEY_DIMS or value_dim not in VALUE_DIMS:
@@ -121,17 +132,18 @@ def _source(line: str, name: str):
 
 
 @functools.cache
-def prepare_kernel(kd: int, vd: int, split: int):
+def prepare_kernel(kd: int, vd: int, split: int, ctas: int | None = None):
     """(launchable phase-1 kernel, dynamic shared bytes) for key dim kd and value dim vd
-    (compiled now, dynamic shared memory allowed). With split 1 the registers are capped for
-    two CTAs a multiprocessor (103 KB of shared memory each at dims 128: the loads of one
-    overlap the other's products)."""
+    (compiled now, dynamic shared memory allowed). ctas: the CTAs a multiprocessor the
+    registers are capped for (launch bounds; None: 2 with split 1, 1 with split 3). Two fit
+    at 103 KB of shared memory each (dims 128): the loads of one overlap the other's products."""
+    ctas = (2 if split == 1 else 1) if ctas is None else ctas
     name = f"delta_prepare_{kd}_{vd}_{split}"
     fn = cuda.declare_device(name, "int32(" + ", ".join(["int64"] * 16) + ")")
 
     @cuda.jit("void(" + ", ".join(["int64"] * 9 + ["int32[::1]"] + ["int64"] * 5) + ")",
               link=[_source(f"DELTA_PREPARE({kd}, {vd}, {split})", f"{name}.cu")], lto=True,
-              launch_bounds=(PREPARE_THREADS, 2 if split == 1 else 1))
+              launch_bounds=(PREPARE_THREADS, ctas))
     def delta_prepare(q, k, mixed, g, beta, w, u, m, dv, meta, key_heads, value_heads, channels, v0, per_block):
         rows = numba.int64(meta[0])
         off = numba.int64(meta[1]) % SUBCHUNK_ROWS
@@ -167,7 +179,7 @@ def walk_kernel(kd: int, bv: int, warps: int, split: int):
 
 def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states, out=None, stream=0,
               per_block: int | None = None, walk: tuple[int, int] | None = None, split: int | None = None,
-              meta=None, padded: bool = False):
+              meta=None, padded: bool = False, ctas: int | None = None):
     """Run the gated delta rule over one stream's prefill chunk on the tensor cores, advancing
     its state in place; `delta_chunked.delta_chunked`'s arguments and result.
 
@@ -178,8 +190,9 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     C-contiguous, the stream's state at states[slot] (absolute rows [start_row, start_row +
     rows)); out: None or f32 [rows, value_heads, value_dim], C-contiguous. Every array 16-byte
     aligned. Returns out. per_block (value heads a phase-1 CTA serves, a divisor of the
-    group), walk ((BV, warps) of phase 2) and split (1 or 3) default to what the call is
-    fastest with; per_block and walk change no bit, split does.
+    group), walk ((BV, warps) of phase 2), ctas (1 or 2: the CTAs a multiprocessor phase 1's
+    registers are capped for, `prepare_ctas`) and split (1 or 3) default to what the call is
+    fastest with; per_block, walk and ctas change no bit, split does.
     meta: None or i32 device [>= 3] = (rows in use, start_row, slot), which the kernels read
     on the device (a captured step replays with other values: graphs.PrefillGraphs); None
     uploads (rows, start_row, slot). padded: the launch serves any start row and any
@@ -209,6 +222,8 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     bv, warps = walk_shape(value_dim, value_heads, sms) if walk is None else walk
     if bv < 8 or value_dim % bv or bv % 8 or warps not in (4, 8) or bv // 8 % (warps // 4):
         raise ValueError(f"walk (BV {bv}, warps {warps}) does not split value_dim {value_dim}")
+    if ctas not in (None, 1, 2):
+        raise ValueError(f"ctas must be 1 or 2, got {ctas}")
     for name, array in (("qn", qn), ("kn", kn), ("mixed", mixed), ("g", g), ("beta", beta), ("states", states),
                         ("out", out)):
         if array is None:
@@ -236,8 +251,10 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
         parts.append(at)
         at += 4 * n
     ptrs = [device_pointer(a) for a in (qn, kn, mixed, g, beta)] + parts
-    prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split)
-    prepare[(subchunks, key_heads * (group // per_block)), PREPARE_THREADS, stream, prepare_bytes](
+    grid = (subchunks, key_heads * (group // per_block))
+    ctas = prepare_ctas(grid[0] * grid[1], split, sms) if ctas is None else ctas
+    prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split, ctas)
+    prepare[grid, PREPARE_THREADS, stream, prepare_bytes](
         *ptrs, meta, key_heads, value_heads, channels, v0, per_block)
     walk_launch, walk_bytes = walk_kernel(key_dim, bv, warps, split)
     walk_launch[(value_dim // bv, value_heads), warps * 32, stream, walk_bytes](

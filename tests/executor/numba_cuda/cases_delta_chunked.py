@@ -162,12 +162,13 @@ def _mma_args(rows=4, key_heads=1, value_heads=2, key_dim=16, value_dim=8, v0=4)
 @pytest.mark.parametrize("field, change, match", [
     ("v0", {"v0": 3}, "v0 3"), ("per_block", {"per_block": 3}, "per_block"),
     ("walk", {"walk": (16, 4)}, "walk"), ("split", {"split": 2}, "split"), ("slot", {"slot": 5}, "slot 5"),
+    ("ctas", {"ctas": 3}, "ctas must be 1 or 2"),
 ])
 def test_delta_mma_names_what_does_not_fit(field, change, match):
     """The tensor-core delta rule checks its arguments before compiling anything (also under
     the simulator, where it cannot run)."""
     args = _mma_args(v0=change.get("v0", 4))
-    kwargs = {k: v for k, v in change.items() if k in ("per_block", "walk", "split")}
+    kwargs = {k: v for k, v in change.items() if k in ("per_block", "walk", "split", "ctas")}
     if field == "slot":
         args[7] = change["slot"]
     with pytest.raises(ValueError, match=match):
@@ -189,3 +190,12 @@ def test_delta_mma_walk_shape_fills_the_gpu_in_one_wave():
     assert delta_mma.walk_shape(128, 48) == (64, 8)  # 27B: 96 CTAs, not 192
     assert delta_mma.walk_shape(128, 16) == (32, 8)
     assert delta_mma.walk_shape(8, 4) == (8, 4)
+
+
+def test_delta_mma_prepare_ctas_two_only_past_one_wave():
+    assert delta_mma.prepare_ctas(2048, 3) == 2  # 9B 8,192 rows: 128 sub-chunks x 16 key heads
+    assert delta_mma.prepare_ctas(132, 3) == 1
+    assert delta_mma.prepare_ctas(133, 3) == 2
+    assert delta_mma.prepare_ctas(48, 3) == 1  # 27B 51 rows: one sub-chunk x 48 value heads
+    assert delta_mma.prepare_ctas(48, 1) == 2  # split 1: 128 registers spill nothing
+    assert delta_mma.prepare_ctas(200, 3, sms=264) == 1

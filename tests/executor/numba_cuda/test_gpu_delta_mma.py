@@ -120,9 +120,11 @@ def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
     assert not np.array_equal(whole_states.copy_to_host(), piece_states.copy_to_host())
 
 
-@pytest.mark.parametrize("per_block, walk", [(1, (32, 4)), (3, (64, 8)), (1, (64, 8)), (3, (32, 8))])
-def test_cta_shapes_change_no_bit(per_block, walk):
-    """Value heads per phase-1 CTA (1 or the key head's group of 3) and the phase-2 split (32
+@pytest.mark.parametrize("per_block, walk, ctas", [(1, (32, 4), None), (3, (64, 8), None), (1, (64, 8), 2),
+                                                   (3, (32, 8), 2)])
+def test_cta_shapes_change_no_bit(per_block, walk, ctas):
+    """Value heads per phase-1 CTA (1 or the key head's group of 3), phase 1's registers capped
+    for 2 CTAs a multiprocessor (the default here, 6 CTAs, is 1) and the phase-2 split (32
     state columns on 4 or 8 warps, 64 on 8) give the same output and state bits as the defaults."""
     r = rng()
     inputs = delta_inputs(r, 150, 2, 6, 128, 128)
@@ -131,14 +133,15 @@ def test_cta_shapes_change_no_bit(per_block, walk):
     want = _mma(inputs, states, 0, 37, [0, 150])
     want_state = states.copy_to_host()
     states = to_device(state0)
-    got = _mma(inputs, states, 0, 37, [0, 150], per_block=per_block, walk=walk)
+    got = _mma(inputs, states, 0, 37, [0, 150], per_block=per_block, walk=walk, ctas=ctas)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(states.copy_to_host(), want_state)
 
 
 def test_long_chunk_matches_twin_and_its_grid_pieces():
     """4,100 rows at the 9B linear-attention head shapes (16 key / 32 value heads of 128), from
-    row 0: the twin within tolerance, and cut at 2048 and 4096 the same bits."""
+    row 0: the twin within tolerance, and cut at 2048 and 4096 the same bits, as with phase 1
+    at one CTA a multiprocessor (the default at this grid, 1,040 CTAs, is 2)."""
     r = rng()
     rows = 4100
     inputs = delta_inputs(r, rows, 16, 32, 128, 128)
@@ -151,6 +154,9 @@ def test_long_chunk_matches_twin_and_its_grid_pieces():
     assert_close("long state", ref_state, final[0], TOL[delta_mma.SPLIT], rel=True)
     states = to_device(state0)
     np.testing.assert_array_equal(_mma(inputs, states, 0, 0, [0, 2048, 4096, rows]), whole)
+    np.testing.assert_array_equal(states.copy_to_host(), final)
+    states = to_device(state0)
+    np.testing.assert_array_equal(_mma(inputs, states, 0, 0, [0, rows], ctas=1), whole)
     np.testing.assert_array_equal(states.copy_to_host(), final)
 
 
