@@ -1,7 +1,7 @@
 """The backend's prefill attention walks side by side, and the wgmma experiments of
 bench/flash_wgmma.cu: the mma.sync walk (`attention_flash.prefill(..., wgmma=False)`, 8 warps, not
 split) against the backend's wgmma walk (`wgmma=True`: executor/numba_cuda/flash_wgmma.cu, K/V in
-the 128-byte swizzle) and the experiments named by --kernels (`walk`, 8 warps, Q in registers, K/V
+the 128-byte swizzle, copied by cp.async and by TMA) and the experiments named by --kernels (`walk`, 8 warps, Q in registers, K/V
 as no-swizzle core matrices; `walk-late`, its copies after P V; `walk-fixed`, also with fixed copy
 addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `swz-pingpong`,
 the backend's walk taking turns so (written in session 27, not yet run); `walk-heads`,
@@ -153,12 +153,14 @@ def main(argv: list[str] | None = None) -> None:
                                                       wgmma=False, meta=meta))
         a = ref.copy_to_host()
         print(f"| {model} | {rows} at {start} | mma.sync walk | {t_ref:.3f} | 1 | {flops / t_ref / 1e9:.0f} | |")
-        out = cuda.device_array((rows, q_heads * d), np.uint16)
-        t_new = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=out, split=False, wgmma=True,
-                                                      meta=meta))
-        diff = int((a != out.copy_to_host()).sum())
-        print(f"| {model} | {rows} at {start} | **wgmma walk (backend)** | {t_new:.3f} | {t_ref / t_new:.2f}x | "
-              f"{flops / t_new / 1e9:.0f} | {'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
+        for label, tma in (("cp.async", False), ("TMA", True)):
+            out = cuda.device_array((rows, q_heads * d), np.uint16)
+            t_new = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=out, split=False, wgmma=True,
+                                                          meta=meta, tma=tma))
+            diff = int((a != out.copy_to_host()).sum())
+            print(f"| {model} | {rows} at {start} | **wgmma walk, {label} (backend)** | {t_new:.3f} | "
+                  f"{t_ref / t_new:.2f}x | {flops / t_new / 1e9:.0f} | "
+                  f"{'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
         for label in kernels:
             kernel, threads, tile_rows, shared = KERNELS[label]
             out = cuda.device_array((rows, q_heads * d), np.uint16)

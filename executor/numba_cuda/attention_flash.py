@@ -181,7 +181,7 @@ def split_segments(rows: int, q_heads: int, kv_heads: int, head_dim: int, keys: 
 
 def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None,
             meta=None, stages: int | None = None, split: bool | None = None, keys: int | None = None,
-            wgmma: bool | None = None):
+            wgmma: bool | None = None, tma: bool | None = None):
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
@@ -209,6 +209,9 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     bits, 1.4-1.8x faster on the H200's 4096-8192-row chunks) when True, the mma.sync walk when False, and when None the
     first if `wgmma_status()` is None (warps and stages then do not apply to it); with True a walk
     raises RuntimeError naming why where it cannot run. Split chunks and other head_dims ignore it.
+    tma: a wgmma walk copies its K/V blocks by TMA (attention_wgmma.TMA_KERNEL: the same bits) when
+    True, by cp.async when False, and when None by TMA if `tma_status()` is None (opt-in:
+    WARMSTATE_FLASH_TMA=1).
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -258,7 +261,7 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     if not split and head_dim == attention_wgmma.HEAD_DIM and wgmma is not False:
         if wgmma or wgmma_status() is None:  # True: attention_wgmma raises where it cannot run
             attention_wgmma.launch(q, qg, kcache, vcache, slot_bytes, out, meta, rows, q_heads, kv_heads, scale,
-                                   stream)
+                                   stream, tma=tma_status() is None if tma is None else tma)
             return out  # before `kernel`: no mma.sync variant compiled for a chunk that walks on wgmma
     if warps is None:
         warps = 4 if head_dim == 256 and (split or rows * group <= SHORT_VIRTUAL_ROWS) else WARPS.get(head_dim)
@@ -300,8 +303,33 @@ def wgmma_status() -> str | None:
         return f"{type(exc).__name__}: {str(exc)[-300:]}"
 
 
-def _wgmma_check() -> str | None:
-    """`wgmma_status`'s bit check: None when the wgmma walk gives every bit of the mma.sync walk."""
+TMA_OFF = "off by default (WARMSTATE_FLASH_TMA=1 turns it on; no faster on the H200: bench/RESULTS.md, session 29)"
+"""`tma_status` without WARMSTATE_FLASH_TMA=1."""
+
+
+@functools.cache
+def tma_status() -> str | None:
+    """None when a wgmma walk copies its K/V blocks by TMA (attention_wgmma.TMA_KERNEL), else why
+    not: not asked for (TMA_OFF: WARMSTATE_FLASH_TMA=1 asks), the wgmma walk does not run here
+    (`wgmma_status`), TMA cannot (`attention_wgmma.tma_unavailable`), the check raised, or the TMA
+    walk's bits differ from the mma.sync walk's on `wgmma_status`'s check. Decided once a process."""
+    if os.environ.get("WARMSTATE_FLASH_TMA", "0").strip() != "1":
+        return TMA_OFF
+    why = wgmma_status()
+    if why is not None:
+        return f"no wgmma walk: {why}"
+    why = attention_wgmma.tma_unavailable()
+    if why is not None:
+        return why
+    try:
+        return _wgmma_check(tma=True)
+    except Exception as exc:  # noqa: BLE001 - the driver or the check: the cp.async walk runs
+        return f"{type(exc).__name__}: {str(exc)[-300:]}"
+
+
+def _wgmma_check(tma: bool = False) -> str | None:
+    """`wgmma_status`'s bit check (tma: `tma_status`'s, the TMA walk): None when the wgmma walk
+    gives every bit of the mma.sync walk."""
     rng = np.random.default_rng(27)
     d, q_heads, capacity = attention_wgmma.HEAD_DIM, 4, 512
     caches = (rng.standard_normal((2, 2, capacity, 1, d)) * 2).astype(np.float32)
@@ -310,10 +338,10 @@ def _wgmma_check() -> str | None:
         q = cuda.to_device((rng.standard_normal((rows, q_heads, d)) * 3).astype(np.float32))
         qg = cuda.to_device(rng.standard_normal((rows, q_heads * 2 * d)).astype(np.float32))
         want = prefill(q, qg, *bits, 1, start, split=False, wgmma=False).copy_to_host()
-        got = prefill(q, qg, *bits, 1, start, split=False, wgmma=True).copy_to_host()
+        got = prefill(q, qg, *bits, 1, start, split=False, wgmma=True, tma=tma).copy_to_host()
         if (want != got).any():
-            return (f"the wgmma walk's bits differ from the mma.sync walk's ({int((want != got).sum())} of "
-                    f"{want.size} at {rows} rows from {start})")
+            return (f"the wgmma walk's{' (TMA)' if tma else ''} bits differ from the mma.sync walk's "
+                    f"({int((want != got).sum())} of {want.size} at {rows} rows from {start})")
     return None
 
 

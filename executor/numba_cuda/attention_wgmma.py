@@ -9,6 +9,14 @@ builds, and a check of every bit against the mma.sync walk on random inputs pass
 bench/RESULTS.md, session 27: 1.4-1.8x the mma.sync walk on the 9B's 4096-8192-row chunks,
 1.7-1.8x and 360-370 TFLOP/s at 8192 rows from 24,576 keys.
 
+Two launchable walks: KERNEL copies each (K, V) block with cp.async, 8 copies of 16 bytes a
+thread; TMA_KERNEL has one thread copy it by TMA (4 boxes of 64 dims x 32 keys each for K and V,
+through `tensor_map`s of the caches) against an mbarrier per ring stage. The same products in the
+same order: the same bits. TMA is opt-in (WARMSTATE_FLASH_TMA=1; attention_flash.tma_status checks
+its bits before first use): on the H200 it ran 0.97-0.98x of the cp.async walk at the 9B's
+8192-row chunks from 16,384 and 24,576 keys and 1.0x from 0 (bench/RESULTS.md, session 29): the
+copies were not what bounds the walk.
+
 Not available under the CUDA simulator (no NVRTC, no wgmma) or without cuda-bindings.
 """
 
@@ -17,12 +25,16 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
+
 SOURCE = Path(__file__).with_name("flash_wgmma.cu")
 """The walk's CUDA C++ (appended to FLASH_SOURCE's)."""
 FLASH_SOURCE = Path(__file__).with_name("flash_attention.cu")
 """attention_flash.SOURCE: the mma.sync walk's helpers (softmax, fold, gated write) the walk calls."""
 KERNEL = "flash_wgmma_prefill_256"
-"""The launchable walk's name in the cubin."""
+"""The launchable walk's name in the cubin (K/V blocks by cp.async)."""
+TMA_KERNEL = "flash_wgmma_tma_prefill_256"
+"""The launchable walk with its K/V blocks by TMA."""
 HEAD_DIM = 256
 """The only head_dim the walk is built for (every Qwen3.5 attention layer's)."""
 THREADS = 256
@@ -34,6 +46,10 @@ STAGES = 3
 SHARED_BYTES = STAGES * 2 * 32 * HEAD_DIM * 2 + 8 * 16 * HEAD_DIM * 4 + 1024
 """Dynamic shared memory a CTA: the ring (bf16), the 8 warps' running outputs (f32) and 1 KB for
 the ring's 1024-byte alignment (the 128-byte swizzle): 230,400 bytes of the 232,448 an SM has."""
+TMA_SHARED_BYTES = SHARED_BYTES + 64
+"""TMA_KERNEL's: SHARED_BYTES and the ring's STAGES mbarriers (8 bytes each)."""
+BOX_KEYS = 32
+"""Keys a TMA box (a K/V block: flash_attention.cu's BN)."""
 
 
 def source() -> str:
@@ -76,18 +92,72 @@ def module():
     cubin, _ = compile_cubin(source(), "flash_wgmma.cu")
     built = Module(cubin)
     built.function(KERNEL, SHARED_BYTES)
+    built.function(TMA_KERNEL, TMA_SHARED_BYTES)
     return built
 
 
+def tma_unavailable() -> str | None:
+    """Why TMA_KERNEL cannot run here (None when it may): `unavailable`, or a cuda-bindings without
+    cuTensorMapEncodeTiled."""
+    why = unavailable()
+    if why is not None:
+        return why
+    from cuda.bindings import driver
+
+    if not hasattr(driver, "cuTensorMapEncodeTiled"):
+        return "cuda-bindings has no cuTensorMapEncodeTiled"
+    return None
+
+
+def tensor_map(cache):
+    """The TMA descriptor (a cuda.bindings CUtensorMap) of one layer's K or V cache, uint16 (bf16)
+    [slots, capacity, kv_heads, 256], C-contiguous, 16-byte aligned: a 3-d bf16 tensor (256 dims,
+    kv_heads, slots x capacity rows; strides 512 and kv_heads x 512 bytes), boxes of 64 dims x 1
+    head x BOX_KEYS rows written in the 128-byte swizzle (CU_TENSOR_MAP_SWIZZLE_128B: piece p of a
+    box row r at (p ^ (r % 8)) * 16, the layout the walk's descriptors read; CUDA driver API,
+    cuTensorMapEncodeTiled). Rows past the tensor read as zeros. Built once per (address, shape).
+    Raises ValueError naming what does not fit, RuntimeError when the driver refuses it."""
+    shape = tuple(cache.shape)
+    if cache.dtype != np.uint16 or len(shape) != 4 or shape[3] != HEAD_DIM:
+        raise ValueError(f"cache {cache.dtype} {shape} must be uint16 [slots, capacity, kv_heads, {HEAD_DIM}]")
+    if not cache.is_c_contiguous():
+        raise ValueError("cache must be C-contiguous")
+    address = cache.__cuda_array_interface__["data"][0]
+    if address % 16:
+        raise ValueError(f"cache at {address:#x} must be 16-byte aligned")
+    return _tensor_map(address, shape[0] * shape[1], shape[2])
+
+
+@functools.lru_cache(maxsize=512)
+def _tensor_map(address: int, rows: int, kv_heads: int):
+    from cuda.bindings import driver
+
+    from executor.numba_cuda.nvrtc import check
+
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t  # its lists take these, not ints
+    return check(driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, address,
+        [u64(HEAD_DIM), u64(kv_heads), u64(rows)], [u64(HEAD_DIM * 2), u64(kv_heads * HEAD_DIM * 2)],
+        [u32(64), u32(1), u32(BOX_KEYS)], [u32(1), u32(1), u32(1)],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+
+
 def launch(q, qg, kcache, vcache, slot_bytes: int, out, meta, rows: int, q_heads: int, kv_heads: int,
-           scale: float, stream=0) -> None:
+           scale: float, stream=0, tma: bool = False) -> None:
     """The walk for a chunk of `rows` rows (a grid of its tiles; meta, i32 device [3] = (rows in
     use <= rows, start, slot), is read on the device). Arguments as attention_flash.prefill checks
     them: q f32 [rows, q_heads, 256], qg f32 [rows, q_heads * 512], kcache / vcache uint16 [slots,
     capacity, kv_heads, 256] (slot_bytes = capacity * kv_heads * 512), out uint16 [rows, q_heads *
-    256]. Raises RuntimeError where the walk cannot run (`module`) or the launch fails."""
-    import numpy as np
-
+    256]. tma: TMA_KERNEL (the caches through `tensor_map`) instead of KERNEL; the same bits.
+    Raises RuntimeError where the walk cannot run (`module`, `tensor_map`) or the launch fails."""
     tiles = -(-rows * (q_heads // kv_heads) // TILE_ROWS)
+    if tma:
+        module().launch(TMA_KERNEL, (tiles, kv_heads), THREADS, TMA_SHARED_BYTES, tensor_map(kcache),
+                        tensor_map(vcache), q, qg, int(kcache.shape[1]), out, meta, q_heads, kv_heads,
+                        np.float32(scale), wait=False, stream=stream)
+        return
     module().launch(KERNEL, (tiles, kv_heads), THREADS, SHARED_BYTES, q, qg, kcache, vcache, np.int64(slot_bytes),
                     out, meta, q_heads, kv_heads, np.float32(scale), wait=False, stream=stream)

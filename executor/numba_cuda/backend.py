@@ -224,8 +224,9 @@ class NumbaCudaBackend:
                 wgmma = f"head_dim {self.config.head_dim}, not {attention_wgmma.HEAD_DIM}"
             else:
                 wgmma = attention_flash.wgmma_status()
+            tma = attention_flash.tma_status() if wgmma is None else "no wgmma walk"
             log.info("prefill_attention", path=self._prefill_attention, passed_over=self.attention_failures,
-                     wgmma_walk="on" if wgmma is None else f"off: {wgmma}")
+                     wgmma_walk="on" if wgmma is None else f"off: {wgmma}", tma="on" if tma is None else f"off: {tma}")
         return self._prefill_attention
 
     @prefill_attention.setter

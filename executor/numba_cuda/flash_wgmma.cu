@@ -44,6 +44,37 @@ __device__ __forceinline__ void wg_keep(float* d) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// TMA and mbarriers (PTX ISA, "cp.async.bulk.tensor", "mbarrier"). A tensor map is the driver's
+// 128-byte CUtensorMap (cuTensorMapEncodeTiled, attention_wgmma.tensor_map), passed by value as a
+// __grid_constant__ parameter and addressed generically.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival that also expects `bytes` of transactions (the TMA copies of this phase).
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Until the barrier's phase of this parity completed (its copies landed).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+// Box (c0.., c1, c2..) of a 3-d tensor map into shared memory at dst, completing on bar.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+
 // wgmma_s (m64n32k16, A from registers, B K-major) and wgmma_o (m64n256k16, A from registers,
 // B MN-major), generated (their operand lists are long):
 // @WGMMA_FUNCTIONS@
@@ -217,15 +248,66 @@ __device__ __forceinline__ void walk_blocks_swizzled(u32 ring0, const bf16_t* kb
     __syncthreads();
 }
 
+// walk_blocks_swizzled's order with the copies by TMA: one thread issues a block's K and V (a box
+// of 64 dims x 1 head x BN keys per 64-dim chunk: the 128-byte swizzle's layout, as
+// load_block_swizzled writes it) against the stage's mbarrier, and every thread waits on that
+// barrier (phase parity: the stage's use count) instead of its own copy group and a CTA barrier.
+// The stage of block b - 1 is refilled right after the barrier that ends every warpgroup's S_b
+// (each waited for its P_{b-1} V_{b-1} there), before block b's softmax. Tensor maps (attention_wgmma.tensor_map): dims (D,
+// kv_heads, slots x capacity), box (64, 1, BN); row0 = the slot's first row.
+template <int D, int BN, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd>
+__device__ __forceinline__ void walk_blocks_tma(u32 ring0, u32 bars, const TensorMap* kmap, const TensorMap* vmap,
+                                                int h, int row0, int last, Scores scores, Values values,
+                                                SegmentEnd segment_end) {
+    constexpr u32 BLOCK_BYTES = BN * D * 2;
+    const bool issuer = threadIdx.x == 0;
+    if (issuer) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) mbar_init(bars + 8 * i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    auto load_pair = [&](int block) {  // by the issuer: K and V of `block` into its stage (nothing past last)
+        if (block >= last) return;
+        const u32 stage = ring0 + 2u * (block % STAGES) * BLOCK_BYTES, bar = bars + 8 * (block % STAGES);
+        mbar_expect(bar, 2 * BLOCK_BYTES);
+#pragma unroll
+        for (int j = 0; j < D / 64; ++j) {
+            tma_load_3d(stage + j * BN * 128, kmap, j * 64, h, row0 + block * BN, bar);
+            tma_load_3d(stage + BLOCK_BYTES + j * BN * 128, vmap, j * 64, h, row0 + block * BN, bar);
+        }
+    };
+    if (issuer)
+        for (int p = 0; p < STAGES - 1; ++p) load_pair(p);
+    for (int s0 = 0; s0 < last; s0 += SEG) {
+        const int s1 = min(s0 + SEG, last);
+        for (int b = s0; b < s1; ++b) {
+            mbar_wait(bars + 8 * (b % STAGES), (b / STAGES) & 1);  // block b is in
+            const u32 stage = ring0 + 2u * (b % STAGES) * BLOCK_BYTES;
+            scores(b, stage);
+            __syncthreads();  // every warpgroup is done with block b - 1
+            if (issuer) load_pair(b + STAGES - 1);  // into block b - 1's stage, under the softmax
+            values(b, stage + BLOCK_BYTES);
+        }
+        segment_end(s0);
+    }
+    __syncthreads();
+}
+
 // The walk of one CTA (8 warps: 2 warpgroups of 64 virtual rows). Every block of the CTA runs in
 // both warpgroups (a divergent wgmma makes ptxas serialize them); a block past a warpgroup's rows
 // is masked for them, the same bits as skipping it. PINGPONG (an experiment the backend does not
 // use): the warpgroups take turns issuing their products (S_b of 0, S_b of 1, P_b V_b of 0, P_b V_b
 // of 1: named barriers 1 and 2), so one's softmax can run under the other's products
 // (FlashAttention-3's ping-pong), on walk_blocks_swizzled's one-barrier ring.
+//
+// With maps (kmap, vmap not null; not with PINGPONG) the K/V blocks come by TMA (walk_blocks_tma;
+// kc / vc unused, row0 the slot's first row of the maps' tensors).
 template <int D, int BN, int STAGES, bool PINGPONG = false>
 __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
-                                           bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale) {
+                                           bf16_t* out, int rows, int start, int q_heads, int kv_heads, float scale,
+                                           const TensorMap* kmap = nullptr, const TensorMap* vmap = nullptr,
+                                           int row0 = 0) {
     constexpr int WARPS = 8;
     constexpr int THREADS = WARPS * 32;
     WalkWarp<D, BN, WARPS> w(q, rows, start, q_heads, kv_heads, scale);
@@ -275,9 +357,15 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
         fold_into_total<D>(total, M, L, w.acc, w.m, w.l);
         w.reset();
     };
-    walk_blocks_swizzled<D, BN, THREADS, STAGES, SEG_BLOCKS, decltype(scores), decltype(values), decltype(fold_segment),
-                         PINGPONG>(ring0, kc + (size_t)c.h * D, vc + (size_t)c.h * D, row_stride, c.blocks, scores,
-                                   values, fold_segment);
+    if (!PINGPONG && kmap != nullptr) {
+        const u32 bars = ring0 + 2 * STAGES * BN * D * 2 + 8 * 16 * D * 4;  // after the running outputs
+        walk_blocks_tma<D, BN, STAGES, SEG_BLOCKS>(ring0, bars, kmap, vmap, c.h, row0, c.blocks, scores, values,
+                                                   fold_segment);
+    } else {
+        walk_blocks_swizzled<D, BN, THREADS, STAGES, SEG_BLOCKS, decltype(scores), decltype(values),
+                             decltype(fold_segment), PINGPONG>(ring0, kc + (size_t)c.h * D, vc + (size_t)c.h * D,
+                                                               row_stride, c.blocks, scores, values, fold_segment);
+    }
     turns.finish();
     write_gated<D>(out, qg, total, L, c.warp_first, c.g, c.t, c.vrows, c.group, c.h, q_heads);
 }
@@ -291,4 +379,16 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                             bf16_t* out, const int* meta, int q_heads, int kv_heads, float scale) {
     const size_t slot = (size_t)meta[2] * (size_t)slot_bytes / sizeof(bf16_t);
     wgmma_walk<256, 32, 3>(q, qg, kc + slot, vc + slot, out, meta[0], meta[1], q_heads, kv_heads, scale);
+}
+
+// The walk with its K/V blocks by TMA (walk_blocks_tma): the same grid, threads and arguments as
+// flash_wgmma_prefill_256 but the caches as tensor maps over [slots x capacity, kv_heads, 256]
+// bf16 (attention_wgmma.tensor_map) and `capacity` (rows a slot) for the slot's first row;
+// WGMMA_TMA_SHARED_BYTES (the STAGES mbarriers after the running outputs).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_tma_prefill_256(const __grid_constant__ TensorMap kmap, const __grid_constant__ TensorMap vmap,
+                                const float* q, const float* qg, int capacity, bf16_t* out, const int* meta,
+                                int q_heads, int kv_heads, float scale) {
+    wgmma_walk<256, 32, 3>(q, qg, nullptr, nullptr, out, meta[0], meta[1], q_heads, kv_heads, scale, &kmap, &vmap,
+                           meta[2] * capacity);
 }

@@ -130,12 +130,15 @@ class Module:
 
 def kernel_args(args) -> tuple[tuple, tuple]:
     """(values, ctypes types) of a launch's arguments: a device array (`__cuda_array_interface__`)
-    as its pointer, a numpy int64 as long long, a Python or numpy float as float32, any other
-    integer as int32. Raises ValueError naming the argument's position for a host array or an
+    as its pointer, a numpy int64 as long long, a Python or numpy float as float32, a cuda.bindings
+    struct (anything with `getPtr`, e.g. a CUtensorMap) by value, any other integer as int32. Raises ValueError naming the argument's position for a host array or an
     integer outside its C type's range (it would reach the kernel truncated)."""
     values, types = [], []
     for i, a in enumerate(args):
-        if hasattr(a, "__cuda_array_interface__"):
+        if callable(getattr(a, "getPtr", None)):  # a cuda.bindings struct (a CUtensorMap): passed by value
+            values.append(a)
+            types.append(None)
+        elif hasattr(a, "__cuda_array_interface__"):
             values.append(a.__cuda_array_interface__["data"][0])
             types.append(ctypes.c_void_p)
         elif isinstance(a, np.ndarray):

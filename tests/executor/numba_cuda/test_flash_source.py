@@ -127,3 +127,21 @@ def test_a_check_that_raises_leaves_the_walk_on_mma_sync_and_is_decided_once(mon
         assert attention_flash.wgmma_status() == "turned off by WARMSTATE_FLASH_WGMMA=0"
     finally:
         attention_flash.wgmma_status.cache_clear()
+
+
+def test_the_tma_walk_is_opt_in_and_says_why_not(monkeypatch):
+    """Without WARMSTATE_FLASH_TMA=1 the wgmma walk copies by cp.async (TMA_OFF); asked for where
+    no wgmma walk runs (here: no GPU or the simulator), the status names why."""
+    from executor.numba_cuda.device import is_gpu_available
+
+    if is_gpu_available():
+        pytest.skip("a GPU is here")
+    monkeypatch.delenv("WARMSTATE_FLASH_TMA", raising=False)
+    attention_flash.tma_status.cache_clear()
+    try:
+        assert attention_flash.tma_status() == attention_flash.TMA_OFF
+        monkeypatch.setenv("WARMSTATE_FLASH_TMA", "1")
+        attention_flash.tma_status.cache_clear()
+        assert attention_flash.tma_status() == f"no wgmma walk: {attention_flash.wgmma_status()}"
+    finally:
+        attention_flash.tma_status.cache_clear()

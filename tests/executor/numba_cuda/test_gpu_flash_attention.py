@@ -2,8 +2,8 @@
 real GPU: values against the float64 twin and the serving roundings, against the matrix
 path, and a row's bits independent of the chunk it sits in, the cut (on or off the
 64-row grid), a tail, and the other rows of its warp; the walk on wgmma (attention_wgmma.py,
-flash_wgmma.cu: the default walk at head_dim 256 on the H200) bit for bit against the mma.sync
-walk. Marked `cuda`: the CUDA simulator
+flash_wgmma.cu: the default walk at head_dim 256 on the H200, its K/V blocks by cp.async and by
+TMA) bit for bit against the mma.sync walk. Marked `cuda`: the CUDA simulator
 cannot run a linked CUDA C++ device function (no NVRTC, no mma), so these skip without a
 GPU; the backend then uses the matrix path, whose cases run under the simulator.
 """
@@ -221,25 +221,50 @@ def wgmma():
         pytest.skip(f"no wgmma walk here: {why}")
 
 
-def test_the_wgmma_walk_runs_on_the_h200():
-    """Where the GPU is an H100/H200 (sm_90) the backend walks on wgmma: the status is None
-    (built, and its check against the mma.sync walk passed)."""
+def _skip_without(tma: bool) -> None:
+    from executor.numba_cuda import attention_wgmma
+
+    why = attention_wgmma.tma_unavailable() if tma else None
+    if why is not None:
+        pytest.skip(f"no TMA walk here: {why}")
+
+
+TMA = pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+"""Both wgmma walks, asked for by name: K/V blocks by cp.async (the default), and by TMA (opt-in;
+skipped where it cannot run)."""
+
+
+def test_the_wgmma_walk_runs_on_the_h200(monkeypatch):
+    """Where the GPU is an H100/H200 (sm_90) the backend walks on wgmma (its K/V blocks by cp.async
+    unless WARMSTATE_FLASH_TMA=1 asks for TMA): the statuses are None (built, and their checks
+    against the mma.sync walk passed)."""
     from numba import cuda
 
     if tuple(cuda.get_current_device().compute_capability) == (9, 0):
         assert attention_flash.wgmma_status() is None
+        monkeypatch.delenv("WARMSTATE_FLASH_TMA", raising=False)
+        attention_flash.tma_status.cache_clear()
+        try:
+            assert attention_flash.tma_status() == attention_flash.TMA_OFF
+            monkeypatch.setenv("WARMSTATE_FLASH_TMA", "1")
+            attention_flash.tma_status.cache_clear()
+            assert attention_flash.tma_status() is None
+        finally:
+            attention_flash.tma_status.cache_clear()
 
 
 @pytest.mark.usefixtures("wgmma")
+@TMA
 @pytest.mark.parametrize("heads,kv_heads,start,rows,slot", [
     (24, 4, 1984, 51, 1), (24, 4, 0, 2000, 0), (16, 4, 300, 700, 1), (16, 4, 1000, 1500, 0), (8, 2, 31, 33, 1),
     (16, 4, 0, 1, 0), (24, 4, 4000, 16, 1), (16, 4, 2043, 5, 1),
 ])
-def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, rows, slot):
+def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, rows, slot, tma):
     """Every output bit of the wgmma walk equals the mma.sync walk's: the 27B's off-grid
     chunk and a long one from 0, the 9B's heads, a 2B-like 8 on 2, one row, a short chunk deep
     in the cache, rows straddling 256-key segments and partial 128-row tiles, slot 0 and 1 (q
     scaled so the softmax's maxima move)."""
+    _skip_without(tma)
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, 256, capacity=4096, slots=2)
     q, qg = _inputs(r, rows, heads, 256)
@@ -248,15 +273,17 @@ def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, r
         mma = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, slot, start, split=False,
                                            wgmma=False))
         wgmma = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, slot, start, split=False,
-                                             wgmma=True))
+                                             wgmma=True, tma=tma))
     np.testing.assert_array_equal(wgmma, mma)
 
 
 @pytest.mark.usefixtures("wgmma")
+@TMA
 @pytest.mark.parametrize("start,used", [(1984, 300), (0, 640), (4500, 1)])
-def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used):
+def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used, tma):
     """A walk launched for a graph (meta on the device, 640 padded rows: a grid of their
     tiles) gives its rows in use the bits of an eager call and leaves the padded rows alone."""
+    _skip_without(tma)
     from executor.numba_cuda.device import chunk_meta
     r = rng()
     heads, kv_heads, padded = 16, 4, 640
@@ -265,7 +292,7 @@ def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used):
     out = to_device(np.full((padded, heads * 256), 0x7FC1, np.uint16))
     with poisoned():
         attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 1, 0, out=out, meta=chunk_meta(None, used, start, 1),
-                                split=False, wgmma=True)
+                                split=False, wgmma=True, tma=tma)
     got = out.copy_to_host()
     with poisoned():
         alone = host(attention_flash.prefill(to_device(q[:used]), to_device(qg[:used]), kc, vc, 1, start,
@@ -275,9 +302,11 @@ def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used):
 
 
 @pytest.mark.usefixtures("wgmma")
-def test_the_wgmma_walk_depends_on_the_keys_it_reads():
+@TMA
+def test_the_wgmma_walk_depends_on_the_keys_it_reads(tma):
     """The planted break: a key past a row's position does not move the wgmma walk's row, a
     key before it does (a walk that read the wrong layout would fail the bit tests above)."""
+    _skip_without(tma)
     r = rng()
     kh, vh, kc, vc = _setup(r, 16, 4, 256, capacity=512, slots=1)
     q, qg = _inputs(r, 1, 16, 256)
@@ -285,7 +314,7 @@ def test_the_wgmma_walk_depends_on_the_keys_it_reads():
     def walk(values):
         with poisoned():
             return host(attention_flash.prefill(to_device(q), to_device(qg), kc, values, 0, 300, split=False,
-                                                wgmma=True))
+                                                wgmma=True, tma=tma))
 
     base = walk(vc)
     for key, moves in ((301, False), (5, True), (299, True)):
@@ -302,3 +331,25 @@ def test_wgmma_can_be_turned_off(monkeypatch):
     finally:
         monkeypatch.delenv("WARMSTATE_FLASH_WGMMA")
         attention_flash.wgmma_status.cache_clear()
+
+
+def test_tma_is_opt_in(monkeypatch):
+    for value in (None, "0", "yes"):
+        if value is None:
+            monkeypatch.delenv("WARMSTATE_FLASH_TMA", raising=False)
+        else:
+            monkeypatch.setenv("WARMSTATE_FLASH_TMA", value)
+        attention_flash.tma_status.cache_clear()
+        try:
+            assert attention_flash.tma_status() == attention_flash.TMA_OFF
+        finally:
+            attention_flash.tma_status.cache_clear()
+
+
+def test_tensor_maps_refuse_what_does_not_fit():
+    from executor.numba_cuda import attention_wgmma
+
+    with pytest.raises(ValueError, match="uint16"):
+        attention_wgmma.tensor_map(to_device(np.zeros((1, 32, 1, 128), np.uint16)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        attention_wgmma.tensor_map(to_device(np.zeros((1, 32, 2, 256), np.uint16))[:, :, :1])

@@ -87,7 +87,7 @@ def test_a_failed_compile_raises_with_its_log_and_destroys_the_program():
     assert "destroyed ['prog']" in out
 
 
-def test_kernel_args_pack_pointers_long_longs_floats_and_ints():
+def test_kernel_args_pack_pointers_long_longs_floats_ints_and_structs():
     import ctypes
 
     import numpy as np
@@ -98,9 +98,15 @@ def test_kernel_args_pack_pointers_long_longs_floats_and_ints():
     class Device:
         __cuda_array_interface__ = {"data": (0xABC0, False)}
 
-    values, types = kernel_args((Device(), np.int64(5 << 32), np.float32(0.5), 2.0, 7, np.int32(-3)))
-    assert values == (0xABC0, 5 << 32, 0.5, 2.0, 7, -3)
-    assert types == (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int)
+    class Struct:  # a cuda.bindings struct such as CUtensorMap: cuda.bindings reads it through getPtr
+        def getPtr(self):  # noqa: N802 - cuda.bindings' name
+            return 0x1000
+
+    tensor_map = Struct()
+    values, types = kernel_args((Device(), np.int64(5 << 32), np.float32(0.5), 2.0, 7, np.int32(-3), tensor_map))
+    assert values == (0xABC0, 5 << 32, 0.5, 2.0, 7, -3, tensor_map)
+    assert types == (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                     None)
     with pytest.raises(ValueError, match="argument 0 = 2147483648 does not fit int32; pass numpy.int64"):
         kernel_args((1 << 31,))
     with pytest.raises(ValueError, match="argument 1 = 21474836480 does not fit int32"):
