@@ -13,7 +13,12 @@ ops.l2_normalize.
 
 A conv thread loads its tile's inputs (ROW_TILE + taps - 1 rows) before it computes any:
 a thread that loaded a row, used it and then loaded the next had one load in flight and ran
-the conv at ~1.5 TB/s on the H200 (bench/RESULTS.md, session 28). The L2 norm of a q or k
+the conv at ~1.5 TB/s on the H200 (bench/RESULTS.md, session 28). The conv then counted its
+instructions, not its bytes: a tile whose rows and the taps - 1 rows before them are all one
+lane's (most tiles of a long chunk) sums from the loaded rows alone, without the per-tap tail
+test and lane walk (the same fma chain, exp and division a value: the PTX's float
+instructions a value are identical on both paths), and indices are unsigned (no negative-index
+wraparound code: 64-bit integer instructions were half the kernel's). The L2 norm of a q or k
 head (key_dim channels) is summed in the order `delta_rule`'s separate prep kernel used
 before this pass existed: thread t adds its channels t, t + THREADS, ... to 0, then a
 fixed tree over the block's THREADS slots (its last five steps as a warp's xor butterfly,
@@ -26,7 +31,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint32 as u32
 
 from executor.numba_cuda.device import (
     THREADS,
@@ -78,12 +83,27 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
         slot = slots[lane]
         w = cuda.local.array(taps, np.float32)
         xin = cuda.local.array(span, np.float32)  # x of rows r0 - keep .., then as bf16
+        cu = u32(c)
         for j in range(taps):
-            w[j] = weight[c, j]
-        for m in range(span):  # every load issued before any is used (rows clamped into the call's)
-            xin[m] = x[min(max(r0 - keep + m, 0), end - 1), c]
+            w[j] = weight[cu, u32(j)]
+        # inside: the tile's rows and the keep rows before them are all this lane's (no tail, no
+        # lane change, no row past the call's end): most tiles of a long chunk
+        inside = r0 - keep >= row0 and r0 + row_tile <= nxt
+        if inside:
+            for m in range(span):  # every load issued before any is used
+                xin[m] = x[u32(r0 - keep + m), cu]
+        else:
+            for m in range(span):  # rows clamped into the call's
+                xin[m] = x[u32(min(max(r0 - keep + m, 0), end - 1)), cu]
         for m in range(span):
             xin[m] = bf16_to_f32(f32_to_bf16(xin[m]))
+        if inside:  # the same sums as below, from xin only
+            for i in range(row_tile):
+                acc = _F32(0.0)
+                for j in range(taps):
+                    acc += w[j] * xin[i + j]
+                y[k, i] = acc / (_F32(1.0) + math.exp(-acc))
+            return
         for i in range(row_tile):
             r = r0 + i
             y[k, i] = _F32(0.0)
@@ -96,7 +116,7 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
                 acc = _F32(0.0)
                 for j in range(taps):
                     q = r - row0 + j  # position in concat(tail, the lane's rows)
-                    v = bf16_to_f32(tails[slot, q, c]) if q < keep else xin[i + j]
+                    v = bf16_to_f32(tails[u32(slot), u32(q), cu]) if q < keep else xin[i + j]
                     acc += w[j] * v
                 y[k, i] = acc / (_F32(1.0) + math.exp(-acc))
 
@@ -120,7 +140,7 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
             conv_tile(x, row_start, slots, weight, tails, r0, end, c, y, 0)
             for i in range(row_tile):
                 if r0 + i < end:
-                    out[r0 + i, c - 2 * key_heads * key_dim] = y[0, i]
+                    out[u32(r0 + i), u32(c - 2 * key_heads * key_dim)] = y[0, i]
             return
         # head yb (q heads, then k heads): its key_dim channels, thread t taking t, t + THREADS, ...
         for k in range(per):
@@ -151,9 +171,9 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
                     ch = t + k * THREADS
                     if ch < key_dim:
                         if is_q:
-                            qn[r, head, ch] = (y[k, i] * inv) * scale
+                            qn[u32(r), u32(head), u32(ch)] = (y[k, i] * inv) * scale
                         else:
-                            kn[r, head, ch] = y[k, i] * inv
+                            kn[u32(r), u32(head), u32(ch)] = y[k, i] * inv
 
     return _conv_kernel
 

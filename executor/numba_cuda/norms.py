@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint32 as u32
 
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, device_pointer, empty, f32_to_bf16
 from executor.numba_cuda.launch import fast
@@ -321,11 +321,12 @@ def _gated_rms_norm_kernel_for(dim: int):
         head = pair % heads
         xs = cuda.local.array(n, np.float32)
         gs = cuda.local.array(n, np.float32)
+        ur, uh = u32(row), u32(head)  # unsigned indices: no negative-index wraparound code
         for k in range(n):
             i = lane + 32 * k
             if i < dim:
-                xs[k] = x[row, head, i]
-                gs[k] = gate[row, head * dim + i]
+                xs[k] = x[ur, uh, u32(i)]
+                gs[k] = gate[ur, u32(head * dim + i)]
         ssq = _F32(0.0)
         for k in range(n):
             if lane + 32 * k < dim:
@@ -338,7 +339,7 @@ def _gated_rms_norm_kernel_for(dim: int):
                 if i < dim:
                     g = gs[k]
                     silu = g / (_F32(1.0) + math.exp(-g))
-                    out[row, head * dim + i] = f32_to_bf16(xs[k] * inv * weight[i] * silu)
+                    out[ur, u32(head * dim + i)] = f32_to_bf16(xs[k] * inv * weight[u32(i)] * silu)
 
     return _gated_rms_norm_kernel
 
