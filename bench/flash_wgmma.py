@@ -1,15 +1,15 @@
 """The backend's prefill attention walks side by side, and the wgmma experiments of
 bench/flash_wgmma.cu: the mma.sync walk (`attention_flash.prefill(..., wgmma=False)`, 8 warps, not
 split) against the backend's wgmma walk (`wgmma=True`: executor/numba_cuda/flash_wgmma.cu, K/V in
-the 128-byte swizzle, copied by cp.async and by TMA) and the experiments named by --kernels (`walk`, 8 warps, Q in registers, K/V
-as no-swizzle core matrices; `walk-late`, its copies after P V; `walk-fixed`, also with fixed copy
+the 128-byte swizzle, copied by cp.async and by TMA) and the experiments named by --kernels
+(`walk`, 8 warps, Q in registers, K/V as no-swizzle core matrices; `walk-late`, its copies after P V; `walk-fixed`, also with fixed copy
 addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `swz-pingpong`,
-the backend's walk taking turns so (written in session 27, not yet run); `walk-heads`,
+the backend's walk taking turns so (session 28: 0.94x at the 9B's long chunks); `walk-heads`,
 CTAs that run together on different K/V heads; `pairs`, 4 warps, Q in shared memory, S for two key
 blocks at once; `halves`, two warpgroups splitting head_dim on the same 64 rows), on the same
 inputs: every output bit compared with the mma.sync walk's, CUDA-event ms (median of 5) and
 TFLOP/s (causal: 4 x head_dim x q_heads x the keys each row sees). `--clocks`: walk's and
-walk-fixed's block time by phase. bench/RESULTS.md, sessions 26 and 27.
+walk-fixed's block time by phase. bench/RESULTS.md, sessions 26-29.
 
 Usage (H200): python -m bench.flash_wgmma [--cases 27b:51@1984,9b:8192@24576] [--kernels walk,walk-heads]
 [--clocks] [--compile-only]

@@ -134,6 +134,8 @@ def _tensor_map(address: int, rows: int, kv_heads: int):
 
     from executor.numba_cuda.nvrtc import check
 
+    if not hasattr(driver, "cuTensorMapEncodeTiled"):
+        raise RuntimeError("TMA walk: cuda-bindings has no cuTensorMapEncodeTiled")
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t  # its lists take these, not ints
     return check(driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, address,

@@ -282,6 +282,7 @@ def probe(key_dim: int, value_dim: int, key_heads: int = 1, group: int = 2) -> N
     want, want_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, state0[0], 30)
     states = cuda.to_device(state0)
     qn = (q * np.float32(key_dim**-0.5)).astype(np.float32)
+    prepare_kernel(key_dim, value_dim, SPLIT, 2)  # compiled now: the build long chunks launch (prepare_ctas)
     got = delta_mma(cuda.to_device(qn), cuda.to_device(k), cuda.to_device(v.reshape(rows, -1)), 0,
                     cuda.to_device(g), cuda.to_device(beta), 30, 0, states).copy_to_host()
     cuda.synchronize()

@@ -371,7 +371,7 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
 }
 
 // The launchable walk at head_dim 256 (grid: tiles of 128 virtual rows, kv_heads; 256 threads;
-// WGMMA_SHARED_BYTES of dynamic shared memory). meta (i32 device [3]) = (rows in use, start, slot),
+// attention_wgmma.SHARED_BYTES of dynamic shared memory). meta (i32 device [3]) = (rows in use, start, slot),
 // read here so a captured chunk replays with other values; kc / vc: one layer's caches, slot s at
 // s * slot_bytes; CTAs whose tile starts past the rows in use return at once (a padded grid).
 extern "C" __global__ void __launch_bounds__(256, 1)
@@ -384,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 // The walk with its K/V blocks by TMA (walk_blocks_tma): the same grid, threads and arguments as
 // flash_wgmma_prefill_256 but the caches as tensor maps over [slots x capacity, kv_heads, 256]
 // bf16 (attention_wgmma.tensor_map) and `capacity` (rows a slot) for the slot's first row;
-// WGMMA_TMA_SHARED_BYTES (the STAGES mbarriers after the running outputs).
+// attention_wgmma.TMA_SHARED_BYTES (the STAGES mbarriers after the running outputs).
 extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_tma_prefill_256(const __grid_constant__ TensorMap kmap, const __grid_constant__ TensorMap vmap,
                                 const float* q, const float* qg, int capacity, bf16_t* out, const int* meta,

@@ -118,8 +118,8 @@ class Module:
                wait: bool = True, stream=0) -> None:
         """Launch `name` on grid (x, y) with `threads` a CTA and `shared_bytes` of dynamic shared
         memory on `stream` (a numba stream, or 0: the legacy default stream); args (`kernel_args`):
-        device arrays (pointers), numpy int64 (long long), other ints (int32), floats (float32).
-        Raises ValueError for an argument `kernel_args` refuses, RuntimeError on a launch or (wait:
+        device arrays (pointers), numpy int64 (long long), other ints (int32), floats (float32),
+        cuda.bindings structs such as a CUtensorMap (by value). Raises ValueError for an argument `kernel_args` refuses, RuntimeError on a launch or (wait:
         synchronizes the context) execution error."""
         values, types = kernel_args(args)
         check(self._driver.cuLaunchKernel(self.function(name, shared_bytes), grid[0], grid[1], 1, threads, 1, 1,
@@ -130,8 +130,9 @@ class Module:
 
 def kernel_args(args) -> tuple[tuple, tuple]:
     """(values, ctypes types) of a launch's arguments: a device array (`__cuda_array_interface__`)
-    as its pointer, a numpy int64 as long long, a Python or numpy float as float32, a cuda.bindings
-    struct (anything with `getPtr`, e.g. a CUtensorMap) by value, any other integer as int32. Raises ValueError naming the argument's position for a host array or an
+    as its pointer, a numpy int64 as long long, a Python or numpy float as float32, a
+    cuda.bindings struct (anything with `getPtr`, e.g. a CUtensorMap) by value, any other
+    integer as int32. Raises ValueError naming the argument's position for a host array or an
     integer outside its C type's range (it would reach the kernel truncated)."""
     values, types = [], []
     for i, a in enumerate(args):

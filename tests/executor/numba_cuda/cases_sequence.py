@@ -66,14 +66,16 @@ def test_causal_conv1d_rows_past_one_block_any_chunking(cuts):
 
 
 def test_causal_conv1d_lanes_of_several_rows():
-    """Lanes of 5, 0, 135 and 1 rows in one call: row tiles cross lanes, an empty lane."""
+    """Lanes of 5, 0, 135, 2 and 40 rows in one call: row tiles cross lanes, an empty lane, a lane
+    starting at 6 mod 8 (a review's plant: a tile counted inside its lane one row early read x's
+    row before the lane instead of its tail, and no other lane here caught it)."""
     r = rng()
-    row_start = np.array([0, 5, 5, 140, 141], np.int32)
-    slots = np.array([2, 0, 3, 1], np.int32)
+    row_start = np.array([0, 5, 5, 140, 142, 182], np.int32)
+    slots = np.array([2, 0, 3, 1, 4], np.int32)
     channels, kernel = 3, 4
     x = r.normal(size=(row_start[-1], channels)).astype(np.float32)
     weight = r.normal(size=(channels, kernel)).astype(np.float32)
-    tails = bf16(r.normal(size=(4, kernel - 1, channels)))
+    tails = bf16(r.normal(size=(5, kernel - 1, channels)))
     d_tails = to_device(tails)
     with poisoned():
         out = host(conv.causal_conv1d(to_device(x), to_device(row_start), to_device(slots), to_device(weight),

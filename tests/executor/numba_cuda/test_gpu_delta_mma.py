@@ -124,7 +124,7 @@ def test_planted_chunk_start_anchor_breaks_grid_invariance(monkeypatch):
                                                    (3, (32, 8), 2)])
 def test_cta_shapes_change_no_bit(per_block, walk, ctas):
     """Value heads per phase-1 CTA (1 or the key head's group of 3), phase 1's registers capped
-    for 2 CTAs a multiprocessor (the default here, 6 CTAs, is 1) and the phase-2 split (32
+    for 2 CTAs a multiprocessor (the default here, at most 18 CTAs, is 1) and the phase-2 split (32
     state columns on 4 or 8 warps, 64 on 8) give the same output and state bits as the defaults."""
     r = rng()
     inputs = delta_inputs(r, 150, 2, 6, 128, 128)
