@@ -2,8 +2,8 @@
 bench/flash_wgmma.cu: the mma.sync walk (`attention_flash.prefill(..., wgmma=False)`, 8 warps, not
 split) against the backend's wgmma walk (`wgmma=True`: executor/numba_cuda/flash_wgmma.cu, K/V in
 the 128-byte swizzle, copied by cp.async and by TMA) and the experiments named by --kernels
-(`walk`, 8 warps, Q in registers, K/V as no-swizzle core matrices; `walk-late`, its copies after P V; `walk-fixed`, also with fixed copy
-addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `swz-pingpong`,
+(`walk`, 8 warps, Q in registers, K/V as no-swizzle core matrices; `walk-late`, its copies after
+P V; `walk-fixed`, also with fixed copy addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `swz-pingpong`,
 the backend's walk taking turns so (session 28: 0.94x at the 9B's long chunks); `walk-heads`,
 CTAs that run together on different K/V heads; `pairs`, 4 warps, Q in shared memory, S for two key
 blocks at once; `halves`, two warpgroups splitting head_dim on the same 64 rows), on the same

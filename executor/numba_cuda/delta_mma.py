@@ -132,12 +132,11 @@ def _source(line: str, name: str):
 
 
 @functools.cache
-def prepare_kernel(kd: int, vd: int, split: int, ctas: int | None = None):
+def prepare_kernel(kd: int, vd: int, split: int, ctas: int):
     """(launchable phase-1 kernel, dynamic shared bytes) for key dim kd and value dim vd
     (compiled now, dynamic shared memory allowed). ctas: the CTAs a multiprocessor the
-    registers are capped for (launch bounds; None: 2 with split 1, 1 with split 3). Two fit
-    at 103 KB of shared memory each (dims 128): the loads of one overlap the other's products."""
-    ctas = (2 if split == 1 else 1) if ctas is None else ctas
+    registers are capped for (launch bounds; `prepare_ctas` picks). Two fit at 103 KB of
+    shared memory each (dims 128): the loads of one overlap the other's products."""
     name = f"delta_prepare_{kd}_{vd}_{split}"
     fn = cuda.declare_device(name, "int32(" + ", ".join(["int64"] * 16) + ")")
 

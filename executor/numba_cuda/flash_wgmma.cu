@@ -253,8 +253,9 @@ __device__ __forceinline__ void walk_blocks_swizzled(u32 ring0, const bf16_t* kb
 // load_block_swizzled writes it) against the stage's mbarrier, and every thread waits on that
 // barrier (phase parity: the stage's use count) instead of its own copy group and a CTA barrier.
 // The stage of block b - 1 is refilled right after the barrier that ends every warpgroup's S_b
-// (each waited for its P_{b-1} V_{b-1} there), before block b's softmax. Tensor maps (attention_wgmma.tensor_map): dims (D,
-// kv_heads, slots x capacity), box (64, 1, BN); row0 = the slot's first row.
+// (each waited for its P_{b-1} V_{b-1} there), before block b's softmax. Tensor maps
+// (attention_wgmma.tensor_map): dims (D, kv_heads, slots x capacity), box (64, 1, BN); row0 = the
+// slot's first row.
 template <int D, int BN, int STAGES, int SEG, typename Scores, typename Values, typename SegmentEnd>
 __device__ __forceinline__ void walk_blocks_tma(u32 ring0, u32 bars, const TensorMap* kmap, const TensorMap* vmap,
                                                 int h, int row0, int last, Scores scores, Values values,
@@ -317,8 +318,9 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     extern __shared__ __align__(128) unsigned char smem_bytes[];
     const u32 base = smem_addr(smem_bytes);
     const u32 ring0 = base + ((1024 - (base & 1023)) & 1023);  // 1 KB more is launched
-    float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + 2 * STAGES * BN * D * 2),
-                                    c.warp, c.lane);
+    constexpr u32 RING_BYTES = 2 * STAGES * BN * D * 2;         // then the 8 warps' running outputs
+    float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + RING_BYTES), c.warp,
+                                    c.lane);
 
     const Turns<PINGPONG, THREADS> turns;
     turns.start();
@@ -358,7 +360,7 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
         w.reset();
     };
     if (!PINGPONG && kmap != nullptr) {
-        const u32 bars = ring0 + 2 * STAGES * BN * D * 2 + 8 * 16 * D * 4;  // after the running outputs
+        const u32 bars = ring0 + RING_BYTES + WARPS * 16 * D * 4;  // after the running outputs
         walk_blocks_tma<D, BN, STAGES, SEG_BLOCKS>(ring0, bars, kmap, vmap, c.h, row0, c.blocks, scores, values,
                                                    fold_segment);
     } else {
@@ -371,9 +373,10 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
 }
 
 // The launchable walk at head_dim 256 (grid: tiles of 128 virtual rows, kv_heads; 256 threads;
-// attention_wgmma.SHARED_BYTES of dynamic shared memory). meta (i32 device [3]) = (rows in use, start, slot),
-// read here so a captured chunk replays with other values; kc / vc: one layer's caches, slot s at
-// s * slot_bytes; CTAs whose tile starts past the rows in use return at once (a padded grid).
+// attention_wgmma.SHARED_BYTES of dynamic shared memory). meta (i32 device [3]) = (rows in use,
+// start, slot), read here so a captured chunk replays with other values; kc / vc: one layer's
+// caches, slot s at s * slot_bytes; CTAs whose tile starts past the rows in use return at once (a
+// padded grid).
 extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_prefill_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, long long slot_bytes,
                             bf16_t* out, const int* meta, int q_heads, int kv_heads, float scale) {

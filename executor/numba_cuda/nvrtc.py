@@ -119,8 +119,9 @@ class Module:
         """Launch `name` on grid (x, y) with `threads` a CTA and `shared_bytes` of dynamic shared
         memory on `stream` (a numba stream, or 0: the legacy default stream); args (`kernel_args`):
         device arrays (pointers), numpy int64 (long long), other ints (int32), floats (float32),
-        cuda.bindings structs such as a CUtensorMap (by value). Raises ValueError for an argument `kernel_args` refuses, RuntimeError on a launch or (wait:
-        synchronizes the context) execution error."""
+        cuda.bindings structs such as a CUtensorMap (by value). Raises ValueError for an argument
+        `kernel_args` refuses, RuntimeError on a launch or (wait: synchronizes the context)
+        execution error."""
         values, types = kernel_args(args)
         check(self._driver.cuLaunchKernel(self.function(name, shared_bytes), grid[0], grid[1], 1, threads, 1, 1,
                                           shared_bytes, stream_handle(stream), (values, types), 0))

@@ -91,3 +91,19 @@ def build_emulated(out_dir: Path, code: str, name: str, opt: str = "-O2") -> Pat
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"host build failed:\n{done.stderr[-4000:]}"
     return exe
+
+
+def tma_statuses(monkeypatch) -> tuple[str | None, str | None]:
+    """attention_flash.tma_status() without WARMSTATE_FLASH_TMA and with it set to 1, each decided
+    afresh (the cache cleared before, between and after)."""
+    from executor.numba_cuda import attention_flash
+
+    monkeypatch.delenv("WARMSTATE_FLASH_TMA", raising=False)
+    attention_flash.tma_status.cache_clear()
+    try:
+        off = attention_flash.tma_status()
+        monkeypatch.setenv("WARMSTATE_FLASH_TMA", "1")
+        attention_flash.tma_status.cache_clear()
+        return off, attention_flash.tma_status()
+    finally:
+        attention_flash.tma_status.cache_clear()

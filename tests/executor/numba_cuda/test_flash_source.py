@@ -134,14 +134,8 @@ def test_the_tma_walk_is_opt_in_and_says_why_not(monkeypatch):
     no wgmma walk runs (here: no GPU or the simulator), the status names why."""
     from executor.numba_cuda.device import is_gpu_available
 
+    from tests.executor.numba_cuda.kernel_support import tma_statuses
+
     if is_gpu_available():
         pytest.skip("a GPU is here")
-    monkeypatch.delenv("WARMSTATE_FLASH_TMA", raising=False)
-    attention_flash.tma_status.cache_clear()
-    try:
-        assert attention_flash.tma_status() == attention_flash.TMA_OFF
-        monkeypatch.setenv("WARMSTATE_FLASH_TMA", "1")
-        attention_flash.tma_status.cache_clear()
-        assert attention_flash.tma_status() == f"no wgmma walk: {attention_flash.wgmma_status()}"
-    finally:
-        attention_flash.tma_status.cache_clear()
+    assert tma_statuses(monkeypatch) == (attention_flash.TMA_OFF, f"no wgmma walk: {attention_flash.wgmma_status()}")
