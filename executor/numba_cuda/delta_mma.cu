@@ -407,16 +407,15 @@ struct WalkSmem {
     static constexpr int LK = KD + 8;  // k rows, read transposed (banks 8t + g)
     static constexpr int LM = C + 4;   // M rows
     static constexpr int LS = BV + 8;  // S and V' rows, read as B fragments (banks 8t + g)
-    static constexpr int SV = (KD > C ? KD : C) * LS;  // S, then V' (never live together)
     static constexpr int W = 0;
     static constexpr int Q = W + C * LW;
     static constexpr int K = Q + C * LW;
     static constexpr int M = K + C * LK;
-    static constexpr int S = M + C * LM;   // tf32(S), then tf32(V')
-    static constexpr int V = S;
-    static constexpr int SL = S + SV;      // SPLIT 3: their low parts, tf32(x - tf32(x))
-    static constexpr int VL = SL;
-    static constexpr int DV = SL + SV;     // e^c, e^(c_last - c)
+    static constexpr int S = M + C * LM;   // tf32(S)
+    static constexpr int SL = S + KD * LS; // SPLIT 3: its low part, tf32(S - tf32(S))
+    static constexpr int V = SL + KD * LS; // tf32(V'), then (SPLIT 3) its low part
+    static constexpr int VL = V + C * LS;
+    static constexpr int DV = VL + C * LS; // e^c, e^(c_last - c)
     static constexpr int FLOATS = DV + 2 * C;
 };
 
@@ -424,8 +423,12 @@ struct WalkSmem {
 // Sub-chunk rows: warp w owns m-tile w % 4 and n-tiles w / 4 + (WARPS / 4) j of V' and O;
 // state rows: warp w owns key m-tiles w + WARPS j. S and V' are B operands that 4 or 8 warps
 // read: the warp that owns an element stores its tf32 pair once (split_store), and the
-// readers multiply without converting (mma_split_b). S's buffer is reused for V' (S is read
-// only by W S and q S, V' written after the barrier that ends them).
+// readers multiply without converting (mma_split_b).
+// A step has three barriers: (1) S stored and stage A (W, q rows) in, (2) W S and q S done and
+// stage B (k rows, M, row factors) in, (3) V' stored. Stage A of s + 1 is issued after (2),
+// when W and q are read; stage B of s after (1), when the previous step's M V' and state
+// update are past reading k, M and the row factors. V' has its own buffer, so the next step
+// stores S while other warps still read V': no barrier ends a step.
 template <int KD, int BV, int WARPS, int SPLIT>
 __device__ __forceinline__ void walk(const float* q, const float* k, const float* w_in, const float* u_in,
                                      const float* m_in, const float* dv_in, float* state, float* out, int rows,
@@ -506,7 +509,6 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
     };
 
     stage_a(0);
-    stage_b(0);
     for (int s = 0; s < subchunks; ++s) {
         const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
         // the state at the sub-chunk start, as B fragments for everyone
@@ -538,8 +540,9 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                 uf[j][3] = b.y;
             }
         }
-        wait_groups<1>();  // stage A of s is in (stage B of s may still be in flight)
-        __syncthreads();
+        wait_groups<0>();  // stage A of s is in (the only copies in flight)
+        __syncthreads();  // S stored; the previous step's k, M, V' and row factors read
+        stage_b(s);
 
         float p[PJ][4], z[PJ][4];  // W S and q S
 #pragma unroll
@@ -560,14 +563,9 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                 mma_split_b<SPLIT, false>(z[j], aq, bh, bl);
             }
         }
+        wait_groups<0>();  // stage B of s is in
         __syncthreads();  // W, q and S buffers read
-        if (s + 1 < subchunks) {
-            stage_a(s + 1);
-        } else {
-            commit();
-        }
-        wait_groups<1>();  // stage B of s is in
-        __syncthreads();
+        if (s + 1 < subchunks) stage_a(s + 1);
 
         // V' = U - W S (into shared memory); O = e^c (q S)
         const float e0 = dv[pr], e1 = dv[pr + 8];
@@ -583,7 +581,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             z[j][2] = __fmul_rn(z[j][2], e1);
             z[j][3] = __fmul_rn(z[j][3], e1);
         }
-        __syncthreads();
+        __syncthreads();  // V' stored
 
         // O += M V'
 #pragma unroll
@@ -642,14 +640,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                 }
             }
         }
-        __syncthreads();  // k, M, V' and the row factors read
-        if (s + 1 < subchunks) {
-            stage_b(s + 1);
-        } else {
-            commit();
-        }
     }
-    wait_groups<0>();
 
 #pragma unroll
     for (int j = 0; j < SJ; ++j) {

@@ -78,7 +78,7 @@ def _prepare_floats(kd: int, vd: int) -> int:
 def _walk_floats(kd: int, bv: int) -> int:
     """Dynamic shared floats of phase 2 (WalkSmem in the source)."""
     c = SUBCHUNK_ROWS
-    return 2 * c * (kd + 4) + c * (kd + 8) + c * (c + 4) + 2 * max(kd, c) * (bv + 8) + 2 * c
+    return 2 * c * (kd + 4) + c * (kd + 8) + c * (c + 4) + 2 * (kd + c) * (bv + 8) + 2 * c
 
 
 @functools.cache

@@ -5,7 +5,7 @@ their wait). CI has no GPU and the numba simulator cannot run linked CUDA C++, s
 CI checks that code: values against the float64 twin at both tf32 splits, every element of
 the outputs and scratch written, no write outside a buffer, the same bits for any chunking on
 the 64-row grid, for every CTA shape, and for every thread schedule; and that the checks fail
-on a planted break (a chunk-start anchor; a barrier removed from the source). The GPU tests
+on a planted break (a chunk-start anchor; a barrier removed; V' in S's buffer). The GPU tests
 (test_gpu_delta_mma.py) check the same on the H200. Skips when no C++ compiler is found.
 """
 
@@ -31,15 +31,23 @@ TOL = {1: 4e-3, 3: 1e-5}
 double: a little closer than the hardware's; the GPU tests use 4e-3 and 1e-4)."""
 
 
-PLANTED_BARRIER = "__syncthreads();  // W, q and S buffers read"
+PLANTED_BARRIER = ("__syncthreads();  // W, q and S buffers read", "/* planted: barrier removed */")
 """The walk's barrier between its last reads of the W and q buffers and the copies of the next
 sub-chunk into them: removed, a warp that runs ahead overwrites rows the others still read."""
 
+PLANTED_ALIAS = ("static constexpr int V = SL + KD * LS; // tf32(V'), then (SPLIT 3) its low part\n"
+                 "    static constexpr int VL = V + C * LS;\n"
+                 "    static constexpr int DV = VL + C * LS;",
+                 "static constexpr int V = S; static constexpr int VL = SL; static constexpr int DV = SL + KD * LS;")
+"""V' in S's buffer (as before session 30): a warp that runs ahead stores the next sub-chunk's
+S over the V' the others still read for M V' and the state update (no barrier ends a step)."""
 
-def device_code(source: str, drop_barrier: bool = False) -> str:
+
+def device_code(source: str, plant: tuple[str, str] | None = None) -> str:
     """delta_mma.cu's device code as host C++: the mma helpers and both phases, its dynamic
-    shared memory the emulator's block buffer. drop_barrier: remove PLANTED_BARRIER (a planted
-    race). Raises ValueError when the source lost a marker."""
+    shared memory the emulator's block buffer. plant: (text, replacement), a planted race
+    (PLANTED_BARRIER, PLANTED_ALIAS). Raises ValueError when the source lost a marker or the
+    plant's text is not there exactly once."""
     markers = ("template <int SPLIT, bool A_TF32", "__device__ __forceinline__ u32 smem_addr",
                "// Shared-memory layout of phase 1", "// Entry points")
     missing = [m for m in markers if m not in source]
@@ -48,10 +56,10 @@ def device_code(source: str, drop_barrier: bool = False) -> str:
     helpers = source[source.index(markers[0]) : source.index(markers[1])]
     body = source[source.index(markers[2]) : source.index(markers[3])]
     body = body.replace("extern __shared__ __align__(16) float smem[];", "float* smem = g_smem;")
-    if drop_barrier:
-        if body.count(PLANTED_BARRIER) != 1:
-            raise ValueError(f"delta_mma.cu no longer has exactly one {PLANTED_BARRIER!r}")
-        body = body.replace(PLANTED_BARRIER, "/* planted: barrier removed */")
+    if plant is not None:
+        if body.count(plant[0]) != 1:
+            raise ValueError(f"delta_mma.cu no longer has exactly one {plant[0]!r}")
+        body = body.replace(*plant)
     return '#include "cuda_host.h"\nnamespace delta {\n' + helpers + body
 
 
@@ -158,11 +166,13 @@ def test_emulated_planted_chunk_start_anchor_breaks_grid_invariance(host, tmp_pa
     assert not np.array_equal(whole[1], pieces[1])
 
 
-def test_emulated_planted_missing_barrier_is_caught(tmp_path):
-    """Without PLANTED_BARRIER, the first warp running ahead (DELTA_HOST_ORDER=3) copies the next
-    sub-chunk over rows the other warps still read: the emulator aborts on the NaN of a copy in
-    flight reaching an mma (or an unwritten output), or the values come out wrong."""
-    exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), drop_barrier=True))
+@pytest.mark.parametrize("plant", [PLANTED_BARRIER, PLANTED_ALIAS], ids=["barrier-removed", "v-on-s"])
+def test_emulated_planted_race_is_caught(tmp_path, plant):
+    """With a planted race, the first warp running ahead (DELTA_HOST_ORDER=3) writes shared rows
+    the other warps still read (PLANTED_BARRIER: the next sub-chunk's W and q; PLANTED_ALIAS: the
+    next S over V'): the emulator aborts on the NaN of a copy in flight reaching an mma (or an
+    unwritten output), or the values come out wrong."""
+    exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), plant))
     case = (4, 0, 130, 1, 2, 128, 128)
     done = _launch(exe, tmp_path, case, bv=32, warps=8, split=3, env={"DELTA_HOST_ORDER": "3"})
     if done.returncode:
