@@ -24,7 +24,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint32 as u32
 
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, check, empty, f32_to_bf16
 from executor.numba_cuda.gemv import WORD, bf16_hi, bf16_lo, vector_load
@@ -177,14 +177,17 @@ def _decode_kernel(group: int, chunks: int, split_rows: int):
         t = cuda.threadIdx.x
         lane = t % WARP
         warp = t // WARP
-        pos = q_pos[row]
+        # unsigned indices (all >= 0): no negative-index wraparound code; the flat K/V word
+        # index `base + j * key_words` stays 64-bit (a layer's cache may pass 2^32 words)
+        ur, usplit, uwarp = u32(row), u32(split), u32(warp)
+        pos = q_pos[ur]
         key_lo = split * split_rows
         if key_lo > pos:
             return
         n = pos + 1 - key_lo
         if n > split_rows:
             n = split_rows
-        slot = q_slot[row]
+        slot = q_slot[ur]
         head0 = kv_head * group
         active = lane < chunks
         scale = _F32(1.0) / math.sqrt(_F32(head_dim))
@@ -194,7 +197,7 @@ def _decode_kernel(group: int, chunks: int, split_rows: int):
         qr = cuda.local.array((group, 8), np.float32)
         for g in range(group):
             for e in range(8):
-                qr[g, e] = q[row, head0 + g, 8 * lane + e] * scale if active else _F32(0.0)
+                qr[g, e] = q[ur, u32(head0 + g), u32(8 * lane + e)] * scale if active else _F32(0.0)
         row_words = head_dim // 2
         key_words = kv_heads * row_words
         base = ((slot * capacity + key_lo) * kv_heads + kv_head) * row_words + 4 * lane
@@ -219,26 +222,27 @@ def _decode_kernel(group: int, chunks: int, split_rows: int):
                         s = cuda.fma(qr[g, 2 * i + 1], bf16_hi(words[u, i]), s)
                     s = _warp_sum(s, scratch)
                     if lane == 0 and j < n:
-                        scores[g, j] = s
+                        scores[u32(g), u32(j)] = s
         cuda.syncthreads()
         # softmax over the split's keys: warp w takes heads w, w + WARPS, ...
         for g0 in range(0, group, WARPS):
             g = g0 + warp
             top = _NEG_INF
+            ug = u32(g)
             if g < group:
                 for j in range(lane, n, WARP):
-                    top = max(top, scores[g, j])
+                    top = max(top, scores[ug, u32(j)])
             top = _warp_max(top, scratch)
             total = _F32(0.0)
             if g < group:
                 for j in range(lane, n, WARP):
-                    e = math.exp(scores[g, j] - top)
-                    scores[g, j] = e
+                    e = math.exp(scores[ug, u32(j)] - top)
+                    scores[ug, u32(j)] = e
                     total += e
             total = _warp_sum(total, scratch)
             if g < group and lane == 0:
-                m_out[row, head0 + g, split] = top
-                l_out[row, head0 + g, split] = total
+                m_out[ur, u32(head0 + g), usplit] = top
+                l_out[ur, u32(head0 + g), usplit] = total
         cuda.syncthreads()
         # P V: each warp its keys in ascending order, then the warps' sums in a fixed order
         acc = cuda.local.array((group, 8), np.float32)
@@ -256,14 +260,14 @@ def _decode_kernel(group: int, chunks: int, split_rows: int):
                 j = p0 + warp * in_flight + u
                 if active and j < n:
                     for g in range(group):
-                        p = scores[g, j]
+                        p = scores[u32(g), u32(j)]
                         for i in range(4):
                             acc[g, 2 * i] = cuda.fma(p, bf16_lo(words[u, i]), acc[g, 2 * i])
                             acc[g, 2 * i + 1] = cuda.fma(p, bf16_hi(words[u, i]), acc[g, 2 * i + 1])
         if active:
             for g in range(group):
                 for e in range(8):
-                    partial[warp, g, 8 * lane + e] = acc[g, e]
+                    partial[uwarp, u32(g), u32(8 * lane + e)] = acc[g, e]
         cuda.syncthreads()
         for i in range(t, group * head_dim, THREADS):
             g = i // head_dim
@@ -271,7 +275,7 @@ def _decode_kernel(group: int, chunks: int, split_rows: int):
             o = partial[0, g, d]
             for w in range(1, WARPS):
                 o += partial[w, g, d]
-            o_out[row, head0 + g, split, d] = o
+            o_out[ur, u32(head0 + g), usplit, u32(d)] = o
 
     return kernel
 
@@ -288,26 +292,27 @@ def _combine_kernel(q_pos, split_rows, m_in, l_in, o_in, qg, out):
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
     t = cuda.threadIdx.x
+    ur, uh, ut = u32(row), u32(head), u32(t)  # unsigned indices (all >= 0): no wraparound code
     head_dim = o_in.shape[3]
-    splits = q_pos[row] // split_rows + 1
+    splits = q_pos[ur] // split_rows + 1
     red = cuda.shared.array(THREADS, np.float32)
     weights = cuda.shared.array(THREADS, np.float32)
     top = _NEG_INF
     for s in range(t, splits, THREADS):
-        top = max(top, m_in[row, head, s])
-    red[t] = top
+        top = max(top, m_in[ur, uh, u32(s)])
+    red[ut] = top
     cuda.syncthreads()
     step = THREADS // 2
     while step > 0:
         if t < step:
-            red[t] = max(red[t], red[t + step])
+            red[ut] = max(red[ut], red[u32(t + step)])
         cuda.syncthreads()
         step //= 2
     top = red[0]
     cuda.syncthreads()
     part = _F32(0.0)
     for s in range(t, splits, THREADS):
-        part += math.exp(m_in[row, head, s] - top) * l_in[row, head, s]
+        part += math.exp(m_in[ur, uh, u32(s)] - top) * l_in[ur, uh, u32(s)]
     total = block_sum(red, part)
     o = cuda.local.array(_DIMS_PER_THREAD, np.float32)
     x = cuda.local.array(COMBINE_IN_FLIGHT, np.float32)
@@ -316,27 +321,28 @@ def _combine_kernel(q_pos, split_rows, m_in, l_in, o_in, qg, out):
     for c0 in range(0, splits, THREADS):
         cuda.syncthreads()
         s = c0 + t
-        weights[t] = math.exp(m_in[row, head, s] - top) if s < splits else _F32(0.0)
+        weights[ut] = math.exp(m_in[ur, uh, u32(s)] - top) if s < splits else _F32(0.0)
         cuda.syncthreads()
         count = min(THREADS, splits - c0)
         for j in range(_DIMS_PER_THREAD):
             d = t + j * THREADS
             if d < head_dim:
+                ud = u32(d)
                 i = 0
                 while i + COMBINE_IN_FLIGHT <= count:
                     for u in range(COMBINE_IN_FLIGHT):
-                        x[u] = o_in[row, head, c0 + i + u, d]
+                        x[u] = o_in[ur, uh, u32(c0 + i + u), ud]
                     for u in range(COMBINE_IN_FLIGHT):
-                        o[j] += weights[i + u] * x[u]
+                        o[j] += weights[u32(i + u)] * x[u]
                     i += COMBINE_IN_FLIGHT
                 while i < count:
-                    o[j] += weights[i] * o_in[row, head, c0 + i, d]
+                    o[j] += weights[u32(i)] * o_in[ur, uh, u32(c0 + i), ud]
                     i += 1
     for j in range(_DIMS_PER_THREAD):
         d = t + j * THREADS
         if d < head_dim:
-            gate = qg[row, head * 2 * head_dim + head_dim + d]
-            out[row, head * head_dim + d] = f32_to_bf16((o[j] / total) / (_F32(1.0) + math.exp(-gate)))
+            gate = qg[ur, u32(head * 2 * head_dim + head_dim + d)]
+            out[ur, u32(head * head_dim + d)] = f32_to_bf16((o[j] / total) / (_F32(1.0) + math.exp(-gate)))
 
 
 def attention(

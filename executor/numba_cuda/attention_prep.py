@@ -13,7 +13,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint32 as u32
 
 from executor.numba_cuda.device import THREADS, check, empty, f32_to_bf16
 from executor.numba_cuda.launch import fast
@@ -33,15 +33,16 @@ def _norm_rope(src, row, col0, dim, weight, freqs, position, eps, vals, buf):
     """Load src[row, col0:col0+dim] into vals, RMS-norm it with (1 + weight) and rotate
     its first 2 * len(freqs) dims by `position` (rotate-half). Leaves the result in vals."""
     t = cuda.threadIdx.x
+    ur, ut = u32(row), u32(t)  # unsigned indices (all >= 0): no negative-index wraparound code
     ssq = _F32(0.0)
     for i in range(t, dim, THREADS):
-        v = src[row, col0 + i]
-        vals[i] = v
+        v = src[ur, u32(col0 + i)]
+        vals[u32(i)] = v
         ssq += v * v
     total = block_sum(buf, ssq)
     inv = _F32(1.0) / math.sqrt(total / _F32(dim) + _F32(eps))
     for i in range(t, dim, THREADS):
-        vals[i] = (vals[i] * inv) * (_F32(1.0) + weight[i])
+        vals[u32(i)] = (vals[u32(i)] * inv) * (_F32(1.0) + weight[u32(i)])
     cuda.syncthreads()
     half = freqs.shape[0]
     a = np.float64(0.0)
@@ -49,15 +50,15 @@ def _norm_rope(src, row, col0, dim, weight, freqs, position, eps, vals, buf):
     c = np.float64(0.0)
     s = np.float64(0.0)
     if t < half:
-        angle = np.float64(position) * freqs[t]
+        angle = np.float64(position) * freqs[ut]
         c = math.cos(angle)
         s = math.sin(angle)
-        a = np.float64(vals[t])
-        b = np.float64(vals[t + half])
+        a = np.float64(vals[ut])
+        b = np.float64(vals[u32(t + half)])
     cuda.syncthreads()
     if t < half:
-        vals[t] = _F32(a * c - b * s)
-        vals[t + half] = _F32(b * c + a * s)
+        vals[ut] = _F32(a * c - b * s)
+        vals[u32(t + half)] = _F32(b * c + a * s)
     cuda.syncthreads()
 
 
@@ -96,40 +97,44 @@ def _q_kernel_for(head_dim: int, half: int):
         angles = cuda.shared.array((2, pairs), np.float64)  # cos, sin of the row's angles
         scratch = cuda.shared.array((warps, 32), np.float32)  # the simulator's warp tree only
         x = cuda.local.array(n, np.float32)
+        # unsigned indices (all >= 0): no negative-index wraparound code
+        ur, ug, ut, utid = u32(row), u32(g), u32(t), u32(tid)
         for k in range(n):
             if t + k * THREADS < head_dim:
-                x[k] = qg[row, col0 + t + k * THREADS]
+                x[k] = qg[ur, u32(col0 + t + k * THREADS)]
         ssq = _F32(0.0)
         for k in range(n):
             if t + k * THREADS < head_dim:
                 ssq += x[k] * x[k]
-        buf[g, t] = ssq
+        buf[ug, ut] = ssq
         if tid < half:
-            angle = np.float64(positions[row]) * freqs[tid]
-            angles[0, tid] = math.cos(angle)
-            angles[1, tid] = math.sin(angle)
+            angle = np.float64(positions[ur]) * freqs[utid]
+            angles[0, utid] = math.cos(angle)
+            angles[1, utid] = math.sin(angle)
         cuda.syncthreads()
         fold_wide(buf, g, 1)
-        total = warp_sum(buf[g, t % 32], scratch)
+        total = warp_sum(buf[ug, u32(t % 32)], scratch)
         inv = _F32(1.0) / math.sqrt(total / _F32(head_dim) + _F32(eps))
         for k in range(n):
             i = t + k * THREADS
             if i < head_dim:
-                vals[g, i] = (x[k] * inv) * (_F32(1.0) + weight[i])
+                # weight[i] signed: with an unsigned index the compiler issued this loop's float
+                # operations in another order (the same values; kept as they were)
+                vals[ug, u32(i)] = (x[k] * inv) * (_F32(1.0) + weight[i])
         cuda.syncthreads()
         if t < half:  # thread t alone reads and writes dims t and t + half of its head
-            a = np.float64(vals[g, t])
-            b = np.float64(vals[g, t + half])
-            c = angles[0, t]
-            s = angles[1, t]
-            vals[g, t] = _F32(a * c - b * s)
-            vals[g, t + half] = _F32(b * c + a * s)
+            a = np.float64(vals[ug, ut])
+            b = np.float64(vals[ug, u32(t + half)])
+            c = angles[0, ut]
+            s = angles[1, ut]
+            vals[ug, ut] = _F32(a * c - b * s)
+            vals[ug, u32(t + half)] = _F32(b * c + a * s)
         cuda.syncthreads()
         if live:
             for k in range(n):
                 i = t + k * THREADS
                 if i < head_dim:
-                    out[row, head, i] = vals[g, i]
+                    out[ur, u32(head), u32(i)] = vals[ug, u32(i)]
 
     return _q_kernel
 
@@ -171,21 +176,23 @@ def _kv_kernel(kv, weight, freqs, positions, slots, eps, kcache, vcache):
     head = cuda.blockIdx.y
     kv_heads = kcache.shape[2]
     head_dim = kcache.shape[3]
-    slot = slots[row]
+    ur = u32(row)  # unsigned indices (all >= 0): no negative-index wraparound code
+    slot = slots[ur]
     if slot < 0:  # a padding row of a captured prefill (graphs.PrefillGraphs): no cache row
         return
-    pos = positions[row]
+    pos = positions[ur]
     t = cuda.threadIdx.x
+    us, up, uh = u32(slot), u32(pos), u32(head)
     if cuda.blockIdx.z == 1:
         col0 = (kv_heads + head) * head_dim
         for i in range(t, head_dim, THREADS):
-            vcache[slot, pos, head, i] = f32_to_bf16(kv[row, col0 + i])
+            vcache[us, up, uh, u32(i)] = f32_to_bf16(kv[ur, u32(col0 + i)])
         return
     vals = cuda.shared.array(MAX_HEAD_DIM, np.float32)
     buf = cuda.shared.array(THREADS, np.float32)
     _norm_rope(kv, row, head * head_dim, head_dim, weight, freqs, pos, eps, vals, buf)
     for i in range(t, head_dim, THREADS):
-        kcache[slot, pos, head, i] = f32_to_bf16(vals[i])
+        kcache[us, up, uh, u32(i)] = f32_to_bf16(vals[u32(i)])
 
 
 def kv_norm_rope_store(kv, weight, freqs, positions, slots, eps: float, kcache, vcache, stream=0):

@@ -74,13 +74,13 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
         hi = lanes  # row_start[lane] <= r0 < row_start[hi]
         while hi - lane > 1:
             mid = (lane + hi) // 2
-            if row_start[mid] <= r0:
+            if row_start[u32(mid)] <= r0:
                 lane = mid
             else:
                 hi = mid
-        row0 = row_start[lane]
-        nxt = row_start[lane + 1]
-        slot = slots[lane]
+        row0 = row_start[u32(lane)]
+        nxt = row_start[u32(lane + 1)]
+        slot = slots[u32(lane)]
         w = cuda.local.array(taps, np.float32)
         xin = cuda.local.array(span, np.float32)  # x of rows r0 - keep .., then as bf16
         cu = u32(c)
@@ -111,8 +111,8 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
                 while r >= nxt:  # a new lane starts inside the tile (empty lanes skipped)
                     lane += 1
                     row0 = nxt
-                    nxt = row_start[lane + 1]
-                    slot = slots[lane]
+                    nxt = row_start[u32(lane + 1)]
+                    slot = slots[u32(lane)]
                 acc = _F32(0.0)
                 for j in range(taps):
                     q = r - row0 + j  # position in concat(tail, the lane's rows)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint32 as u32
 
 from executor.numba_cuda.device import THREADS, blocks, check, empty
 from executor.numba_cuda.launch import fast
@@ -37,8 +37,8 @@ def _gates_kernel(a, b, a_log, dt_bias, g, beta):
     heads = g.shape[1]
     if i >= g.shape[0] * heads:
         return
-    row = i // heads
-    h = i % heads
+    row = u32(i // heads)  # unsigned indices (all >= 0): no negative-index wraparound code
+    h = u32(i % heads)
     x = a[row, h] + dt_bias[h]
     sp = x if x > _F32(20.0) else math.log1p(math.exp(x))
     g[row, h] = -math.exp(a_log[h]) * sp
@@ -85,49 +85,52 @@ def _recurrence_kernel(qn, kn, mixed, v0, g, beta, row_start, slots, states, out
     col = col0 + vl
     live = col < value_dim
     slot = slots[lane]
+    # unsigned indices (all >= 0): numba emits negative-index wraparound code for signed ones
+    uh, ukh, uvl, ukg, ucol, uslot = u32(head), u32(key_head), u32(vl), u32(kg), u32(col), u32(slot)
     s = cuda.shared.array((MAX_KEY_DIM, VALUE_COLS), np.float32)
     qs = cuda.shared.array(MAX_KEY_DIM, np.float32)
     ks = cuda.shared.array(MAX_KEY_DIM, np.float32)
     part = cuda.shared.array((KEY_GROUPS, VALUE_COLS), np.float32)
     if live:
         for k in range(kg, key_dim, KEY_GROUPS):
-            s[k, vl] = states[slot, head, k, col]
+            s[u32(k), uvl] = states[uslot, uh, u32(k), ucol]
     for row in range(row_start[lane], row_start[lane + 1]):
+        ur = u32(row)
         for i in range(t, key_dim, THREADS):
-            qs[i] = qn[row, key_head, i]
-            ks[i] = kn[row, key_head, i]
+            qs[u32(i)] = qn[ur, ukh, u32(i)]
+            ks[u32(i)] = kn[ur, ukh, u32(i)]
         cuda.syncthreads()
-        decay = math.exp(g[row, head])
+        decay = math.exp(g[ur, uh])
         acc = _F32(0.0)
         if live:
             for k in range(kg, key_dim, KEY_GROUPS):
-                acc += (s[k, vl] * decay) * ks[k]
-        part[kg, vl] = acc
+                acc += (s[u32(k), uvl] * decay) * ks[u32(k)]
+        part[ukg, uvl] = acc
         cuda.syncthreads()
         mem = _F32(0.0)
         for j in range(KEY_GROUPS):
-            mem += part[j, vl]
+            mem += part[u32(j), uvl]
         delta = _F32(0.0)
         if live:
-            delta = (mixed[row, v0 + head * value_dim + col] - mem) * beta[row, head]
+            delta = (mixed[ur, u32(v0 + head * value_dim + col)] - mem) * beta[ur, uh]
         cuda.syncthreads()
         acc = _F32(0.0)
         if live:
             for k in range(kg, key_dim, KEY_GROUPS):
-                new = s[k, vl] * decay + ks[k] * delta
-                s[k, vl] = new
-                acc += new * qs[k]
-        part[kg, vl] = acc
+                new = s[u32(k), uvl] * decay + ks[u32(k)] * delta
+                s[u32(k), uvl] = new
+                acc += new * qs[u32(k)]
+        part[ukg, uvl] = acc
         cuda.syncthreads()
         if kg == 0 and live:
             o = _F32(0.0)
             for j in range(KEY_GROUPS):
-                o += part[j, vl]
-            out[row, head, col] = o
+                o += part[u32(j), uvl]
+            out[ur, uh, ucol] = o
         cuda.syncthreads()
     if live:
         for k in range(kg, key_dim, KEY_GROUPS):
-            states[slot, head, k, col] = s[k, vl]
+            states[uslot, uh, u32(k), ucol] = s[u32(k), uvl]
 
 
 def delta_recurrence(qn, kn, mixed, v0: int, g, beta, row_start, slots, states, out=None, stream=0):

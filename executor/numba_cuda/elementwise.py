@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint32 as u32
 
 from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, blocks, check, empty, f32_to_bf16
 from executor.numba_cuda.gemv import WORD, vector_load
@@ -24,10 +24,10 @@ _F32 = np.float32
 @cuda.jit
 def _embed_kernel(token_ids, table, out):
     # token_ids: [rows] i32; table: [vocab, hidden] bf16; out: [rows, hidden] f32
-    row = cuda.blockIdx.y
+    row = u32(cuda.blockIdx.y)  # unsigned indices (all >= 0): no negative-index wraparound code
     i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
     if i < out.shape[1]:
-        out[row, i] = bf16_to_f32(table[token_ids[row], i])
+        out[row, u32(i)] = bf16_to_f32(table[u32(token_ids[row]), u32(i)])
 
 
 def embed(token_ids, table, out=None, stream=0):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint32 as u32
 
 from executor.numba_cuda.device import IS_SIMULATOR, check, empty
 from executor.numba_cuda.launch import fast
@@ -43,8 +43,9 @@ def _better(v, i, w, j):
 @cuda.jit
 def _argmax_kernel(logits, out):
     # logits: [rows, vocab] f32; out: [rows] i32; one block a row
-    row = cuda.blockIdx.x
+    row = u32(cuda.blockIdx.x)  # unsigned indices (all >= 0): no negative-index wraparound code
     t = cuda.threadIdx.x
+    ut = u32(t)
     n = logits.shape[1]
     vals = cuda.shared.array(ARGMAX_THREADS, np.float32)
     idxs = cuda.shared.array(ARGMAX_THREADS, np.int32)
@@ -52,21 +53,21 @@ def _argmax_kernel(logits, out):
     best_i = np.int32(n)  # past the row: any element beats it (a -inf row keeps index 0, below)
     k = t
     while k < n:
-        v = logits[row, k]
+        v = logits[row, u32(k)]
         if best_i == n or _better(v, k, best_v, best_i):
             best_v = v
             best_i = k
         k += ARGMAX_THREADS
-    vals[t] = best_v
-    idxs[t] = best_i
+    vals[ut] = best_v
+    idxs[ut] = best_i
     cuda.syncthreads()
     half = ARGMAX_THREADS // 2
     while half > 0:
         if t < half:
-            j = idxs[t + half]
-            if j < n and (idxs[t] == n or _better(vals[t + half], j, vals[t], idxs[t])):
-                vals[t] = vals[t + half]
-                idxs[t] = j
+            j = idxs[u32(t + half)]
+            if j < n and (idxs[ut] == n or _better(vals[u32(t + half)], j, vals[ut], idxs[ut])):
+                vals[ut] = vals[u32(t + half)]
+                idxs[ut] = j
         cuda.syncthreads()
         half //= 2
     if t == 0:

@@ -31,12 +31,13 @@ def tree_sum(threads: int):
     @cuda.jit(device=True)
     def block_sum(buf, value):
         t = cuda.threadIdx.x
-        buf[t] = value
+        ut = u32(t)  # unsigned indices: no negative-index wraparound code
+        buf[ut] = value
         cuda.syncthreads()
         step = threads // 2
         while step > 0:
             if t < step:
-                buf[t] += buf[t + step]
+                buf[ut] += buf[u32(t + step)]
             cuda.syncthreads()
             step //= 2
         total = buf[0]
@@ -113,8 +114,8 @@ def fold_wide(buf, first, count):
     step = THREADS // 2
     while step >= 32:
         if t < step:
-            for r in range(first, first + count):
-                buf[r, t] += buf[r, t + step]
+            for r in range(first, first + count):  # unsigned indices: no wraparound code
+                buf[u32(r), u32(t)] += buf[u32(r), u32(t + step)]
         cuda.syncthreads()
         step //= 2
 
