@@ -49,7 +49,9 @@ class ApiError(Exception):
 class Sampling:
     """Generation knobs of one request.
 
-    max_tokens: None (as many as the context allows) or >= 0 (0: prefill only).
+    max_tokens: None (not given) or >= 0 (0: prefill only).
+    default_max_tokens: when max_tokens is not given, at most this many (/v1/completions: 16, as
+    OpenAI's), capped at the room the prompt leaves in the context; None: as many as it allows.
     temperature >= 0 (0: greedy), top_p in (0, 1], top_k >= 0 (0: no limit; vLLM's extra
     parameter, whose -1 also means none), min_p in [0, 1] (vLLM's), seed: None (draw one) or an int,
     stop: stop strings, stream / include_usage: SSE output, ignore_eos: do not stop at
@@ -58,6 +60,7 @@ class Sampling:
 
     model: str | None = None
     max_tokens: int | None = None
+    default_max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -158,10 +161,13 @@ def _number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | 
     return float(value)
 
 
-def _bool(body: Mapping[str, Any], key: str) -> bool | None:
+def _bool(body: Mapping[str, Any], key: str, path: str | None = None) -> bool | None:
+    """body[key] as a bool, or None when absent. Raises ApiError (400, invalid_type) naming
+    `path` (the field's full name, e.g. "chat_template_kwargs.enable_thinking"; default key)."""
     value = body.get(key)
     if value is not None and not isinstance(value, bool):
-        raise ApiError(f"{key}: expected true or false, got {json.dumps(value)[:40]}", key, code="invalid_type")
+        name = path or key
+        raise ApiError(f"{name}: expected true or false, got {json.dumps(value)[:40]}", name, code="invalid_type")
     return value
 
 
@@ -227,7 +233,8 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int | None) -> Sampli
         temperature = 0.0
     return Sampling(
         model=model,
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if not top_p else top_p,
         top_k=max(0, top_k or 0),
@@ -337,7 +344,7 @@ def parse_chat(body: Mapping[str, Any], default_max_tokens: int | None = None) -
     for key in kwargs:
         if key != "enable_thinking":
             raise _unsupported(f"chat_template_kwargs.{key}", "only enable_thinking is supported")
-    thinking = _bool(kwargs, "enable_thinking")
+    thinking = _bool(kwargs, "enable_thinking", "chat_template_kwargs.enable_thinking")
     return ChatCall(
         messages=checked,
         tools=tools,

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import attrs
 import structlog
 
+from executor.api_schema import ApiError, parse_chat
 from executor.backend import Backend
 from executor.chat import ChatRenderer, load_template
 from executor.model import tiny_model_dir
@@ -55,8 +56,23 @@ class GenerateResult:
     finish_reason: str
 
 
+def check_fits(backend: Backend, request: GenerateRequest) -> None:
+    """Raise ValueError, naming the limit, when the prompt and max_tokens pass the model's
+    context (max_position_embeddings: the server rejects the same request with a 400) or
+    logprobs asks for more tokens than the vocabulary has."""
+    context, vocab = backend.config.max_position_embeddings, backend.config.vocab_size
+    rows = len(request.prompt_ids) + request.max_tokens
+    if rows > context:
+        raise ValueError(f"max_tokens: the prompt's {len(request.prompt_ids)} tokens and {request.max_tokens} "
+                         f"to generate pass the model's context of {context} (max_position_embeddings)")
+    if request.sampling.logprobs > vocab:
+        raise ValueError(f"logprobs: at most the vocabulary's {vocab} tokens, got {request.sampling.logprobs}")
+
+
 def generate(backend: Backend, request: GenerateRequest) -> GenerateResult:
-    """Prefill the whole prompt in one chunk, then decode one token per step."""
+    """Prefill the whole prompt in one chunk, then decode one token per step. Raises
+    ValueError when the request does not fit the model (`check_fits`)."""
+    check_fits(backend, request)
     rng = new_rng(request.seed)
     state = backend.new_state()
     tokens: list[int] = []
@@ -154,10 +170,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(spec, dict) or not isinstance(spec.get("messages"), list):
             print(f"error: --chat {args.chat}: want a message list or {{\"messages\": [...]}}", file=sys.stderr)
             return 2
+        try:  # the server's checks of a message list: a bad role or field named as the API names it
+            call = parse_chat({"messages": spec["messages"], "tools": spec.get("tools"),
+                               "chat_template_kwargs": {"enable_thinking": spec.get("enable_thinking", True)}})
+        except ApiError as err:
+            print(f"error: --chat {args.chat}: {err.message}", file=sys.stderr)
+            return 2
         renderer = ChatRenderer(tokenizer, load_template(model_dir))
         prompt_ids = list(
             renderer.render(
-                spec["messages"], spec.get("tools"), enable_thinking=spec.get("enable_thinking", True)
+                list(call.messages), list(call.tools) if call.tools else None, enable_thinking=call.enable_thinking
             ).token_ids
         )
     backend = ReferenceBackend.from_dir(model_dir)

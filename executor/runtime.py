@@ -361,13 +361,37 @@ class Runtime:
         a commit and the next step (a line-buffered trace made a write system call per event
         there: bench/RESULTS.md, session 24). A reader of an idle server's files sees every
         event; a process killed mid-step loses the lines of that step's commit."""
-        for f in (self._trace, self._steps):
+        try:
+            for f in (self._trace, self._steps):
+                if f is not None:
+                    f.flush()
+        except OSError as exc:
+            self._stop_tracing(exc)
+
+    def _stop_tracing(self, exc: OSError) -> None:
+        """A trace or steps file could not be written (a full disk, a closed pipe): log it once
+        and trace no more. The files are a record of the serving, not part of it: a failed write
+        must not fail the requests (it did: the driver's error handler marked the runtime failed
+        and every later request got 503)."""
+        log.error("trace_write_failed", error=repr(exc), detail="tracing stopped; serving goes on")
+        files, self._trace, self._steps = (self._trace, self._steps), None, None
+        for f in files:
             if f is not None:
-                f.flush()
+                try:
+                    f.close()  # flushes what is buffered: may fail the same way
+                except OSError:
+                    pass
+
+    def _write_trace(self, f: IO[str], record: dict) -> None:
+        """One JSONL line to the trace or steps file; on a write error, `_stop_tracing`."""
+        try:
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            self._stop_tracing(exc)
 
     def _emit(self, e: ev.Event) -> None:
         if self._trace is not None:
-            self._trace.write(json.dumps(ev.event_dict(e), separators=(",", ":")) + "\n")
+            self._write_trace(self._trace, ev.event_dict(e))
         self.metrics.event(e)
         self.conversations.event(e)
         if isinstance(e, ev.RequestAdmitted):
@@ -549,7 +573,7 @@ class Runtime:
             record["keep_bytes"] = run.keep_copy.bytes(self.backend.config.shape)
         if out.published_s is not None:
             record["published_s"] = round(out.published_s, 6)
-        self._steps.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._write_trace(self._steps, record)
 
     def _attach_continuation(self, live: Live) -> None:
         """Give the scheduler the reply's continuation before it finishes the request.

@@ -123,13 +123,19 @@ class Api:
             raise ApiError(f"The model {sampling.model!r} does not exist; this server serves "
                            f"{self.cfg.model_id!r}", "model", status=404, code="model_not_found")
 
-    def _max_tokens(self, rows: int, wanted: int | None, prompt_param: str) -> int:
-        ctx = self.cfg.context_rows
+    def _max_tokens(self, rows: int, sampling: Sampling, prompt_param: str) -> int:
+        """Completion tokens of a prompt of `rows` rows: max_tokens as given, or when not given
+        the room left in the context, capped at default_max_tokens (16 for /v1/completions: a
+        default never makes a prompt that fits fail). Raises ApiError (400,
+        context_length_exceeded) when the prompt leaves no room or prompt + max_tokens pass
+        the context."""
+        ctx, wanted = self.cfg.context_rows, sampling.max_tokens
         if rows > ctx or (wanted is None and rows == ctx):
             raise ApiError(f"This model's maximum context length is {ctx} tokens; the prompt has {rows}",
                            prompt_param, code="context_length_exceeded")
         if wanted is None:
-            return ctx - rows
+            default = sampling.default_max_tokens
+            return ctx - rows if default is None else min(default, ctx - rows)
         if rows + wanted > ctx:
             raise ApiError(f"This model's maximum context length is {ctx} tokens; you requested "
                            f"{rows + wanted} ({rows} in the prompt, {wanted} for the completion)",
@@ -192,7 +198,7 @@ class Api:
         call = parse_chat(await self._body(request))
         self._check_model(call.sampling)
         rendered = await _off_loop_if_large(self, request, self._render_chat, call)
-        max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling.max_tokens, "messages")
+        max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling, "messages")
         job = self._job(rendered, call.sampling, max_tokens, self._continuation(call))
         handle = await self._submit(job)
         cid = f"chatcmpl-{self._prefix}-{handle.id}"
@@ -277,7 +283,7 @@ class Api:
         else:
             ids = call.prompt
             rendered = Rendered("", ids, tuple(i for i, t in enumerate(ids) if t == self._im_start))
-        max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling.max_tokens, "prompt")
+        max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling, "prompt")
         handle = await self._submit(self._job(rendered, call.sampling, max_tokens, None))
         cid = f"cmpl-{self._prefix}-{handle.id}"
         if call.sampling.stream:

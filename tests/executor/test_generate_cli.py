@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import attrs
 import numpy as np
 import pytest
 
@@ -114,3 +115,30 @@ def test_module_entry_point_prints_one_json_object():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert len(out["tokens"]) == 2 and isinstance(out["text"], str)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--prompt-ids", "1,2,3", "--max-tokens", "62"), "the prompt's 3 tokens and 62 to generate pass the model's "
+                                                      "context of 64 (max_position_embeddings)"),
+    (("--prompt-ids", "1,2,3", "--max-tokens", "2", "--logprobs", "100000000"), "logprobs: at most the vocabulary's"),
+], ids=["past-the-context", "logprobs-past-the-vocabulary"])
+def test_requests_the_model_cannot_serve_exit_2_naming_the_limit(capsys, tmp_path, argv, message):
+    """A prompt + max_tokens past max_position_embeddings (the server's 400) and logprobs past
+    the vocabulary: one `error:` line, exit 2. Before the fix the CLI generated past the
+    context and accepted any logprobs."""
+    model = random_checkpoint(attrs.evolve(small_config(), max_position_embeddings=64), 9, tmp_path,
+                              with_tokenizer=False)
+    assert main(["--model", str(model), *argv]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the weights' log lines
+    assert last.startswith("error: ") and message in last
+    assert main(["--model", str(model), "--prompt-ids", "1,2,3", "--max-tokens", "61", "--json"]) == 0  # fits exactly
+
+
+def test_chat_file_with_an_unknown_role_names_it(capsys, tmp_path):
+    """--chat checks the message list as the server does: an unknown role is named (it said
+    "No user query found in messages." before)."""
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "wizard", "content": "Hello!"}]))
+    assert main(["--chat", str(chat), "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --chat {chat}: messages[0].role") and "wizard" in err

@@ -150,6 +150,8 @@ BAD_CHAT = [
     ("stop-empty", {"messages": MESSAGES, "stop": [""]}, "stop"),
     ("seed-type", {"messages": MESSAGES, "seed": "x"}, "seed"),
     ("tools-type", {"messages": MESSAGES, "tools": {"a": 1}}, "tools"),
+    ("thinking-type", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "no"}},
+     "chat_template_kwargs.enable_thinking"),
     ("too-long", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
     ("model-unknown", {"messages": MESSAGES, "model": "gpt-9"}, "model"),
 ]
@@ -195,6 +197,24 @@ def test_bad_completion_body_gets_4xx(server, body, param):
     status, out = server.post("/v1/completions", {"model": MODEL, **body})
     assert 400 <= status < 500 and out["error"]["param"] == param
     _ok(server)
+
+
+def test_completion_default_max_tokens_fits_the_room_left(server):
+    """/v1/completions without max_tokens generates at most 16 (OpenAI's default), fewer when the
+    prompt leaves less room: a prompt 3 rows short of the context gets 3, not a 400 naming a
+    max_tokens the client never sent (a review found "you requested ... 16 for the
+    completion"). Given explicitly, a max_tokens past the context is still a 400; a prompt that
+    fills the context leaves no room at all."""
+    body = {"model": MODEL, "prompt": [5] * (CONTEXT - 3), "temperature": 0, "ignore_eos": True}
+    status, out = server.post("/v1/completions", body)
+    assert status == 200, out
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == (3, "length")
+    status, out = server.post("/v1/completions", {**body, "prompt": [5] * 10})
+    assert status == 200 and out["usage"]["completion_tokens"] == 16
+    status, out = server.post("/v1/completions", {**body, "max_tokens": 16})
+    assert status == 400 and (out["error"]["param"], out["error"]["code"]) == ("max_tokens", "context_length_exceeded")
+    status, out = server.post("/v1/completions", {**body, "prompt": [5] * CONTEXT})
+    assert status == 400 and (out["error"]["param"], out["error"]["code"]) == ("prompt", "context_length_exceeded")
 
 
 def test_corrupt_gzip_body_gets_400_and_counts_as_invalid(server):
