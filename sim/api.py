@@ -21,17 +21,22 @@ from sim.mooncake import read_mooncake
 from sim.scenarios import scenarios
 from sim.summary import Summary
 from sim.trace import JsonlTrace, PerfettoTrace
-from sim.workload import Workload, read_workload
+from sim.workload import Workload, read_workload, utf8_text
 
 DEFAULT_WORKLOAD = "mixed"
 
 
 def load_policy_file(path: str | Path | None) -> PolicyConfig:
-    """PolicyConfig from a TOML file of its fields; None gives the defaults (policies/default.toml)."""
+    """PolicyConfig from a TOML file of its fields; None gives the defaults (policies/default.toml).
+
+    Raises ValueError `PATH: ...` (or `PATH:LINE: ...`) for text that is not UTF-8 or not TOML,
+    ValueError for a bad field, OSError when unreadable.
+    """
     if path is None:
         return PolicyConfig()
+    text = utf8_text(Path(path).read_bytes(), path)
     try:
-        return parse_policy(Path(path).read_text())
+        return parse_policy(text)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
 
@@ -39,12 +44,18 @@ def load_policy_file(path: str | Path | None) -> PolicyConfig:
 def load_workload(spec: str, seed: int) -> Workload:
     """A workload by spec: a scenario NAME (generated from `seed`), `mooncake:PATH`, or a JSONL path.
 
-    Raises ValueError naming the spec when it matches none.
+    Raises ValueError naming the spec when it matches none or names no path (`mooncake:`),
+    ValueError `PATH: no requests` for a file with none, OSError when a file is unreadable.
     """
-    if spec.startswith("mooncake:"):
-        return read_mooncake(spec.split(":", 1)[1])
-    if spec.endswith(".jsonl") or Path(spec).is_file():
-        return read_workload(spec)
+    mooncake = spec.startswith("mooncake:")
+    if mooncake or spec.endswith(".jsonl") or Path(spec).is_file():
+        path = spec.removeprefix("mooncake:")
+        if not path:
+            raise ValueError(f"--workload {spec!r}: want mooncake:PATH, got no PATH")
+        workload = read_mooncake(path) if mooncake else read_workload(path)
+        if not workload.conversations:
+            raise ValueError(f"{path}: no requests")
+        return workload
     gens = scenarios()
     if spec not in gens:
         raise ValueError(f"unknown workload {spec!r}: give one of {', '.join(sorted(gens))}, "

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from policy.config import policy_to_dict
 from sim.api import (
@@ -25,6 +26,7 @@ from sim.api import (
 from sim.cost import coverage_note, load_profile
 from sim.invariants import InvariantBroken
 from sim.summary import format_table, format_value, summary_table
+from sim.trace import name_error
 
 DEFAULT_PROFILE = "qwen3.5-9b-h200-roofline"
 
@@ -36,10 +38,19 @@ among 112 in mixed, short_first on against off)."""
 
 
 def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (0 examples would report success having run nothing)."""
+    """argparse type: an integer >= 1 (0 examples would report success having run nothing, 0 jobs
+    would mean no worker)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0 (-1 would slice all but one off a list)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -65,6 +76,44 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="commit decode rounds one by one (same trace, slower)")
 
 
+def _output_file(path: str | None, flag: str) -> Path | None:
+    """The file `flag` writes, checked before anything runs (None when not given).
+
+    Raises ValueError `FLAG 'PATH': ...` when PATH is empty or a directory, or its folder is missing.
+    """
+    if path is None:
+        return None
+    out = Path(path)
+    if not path or out.is_dir():
+        raise ValueError(f"{flag} {path!r}: want a file to write, not {'a directory' if path else 'an empty path'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"{flag} {path!r}: folder {str(out.parent)!r} does not exist")
+    return out
+
+
+def _output_dir(path: str, flag: str) -> Path:
+    """The folder `flag` writes into (made when missing), checked before anything runs.
+
+    Raises ValueError `FLAG 'PATH': ...` when PATH exists and is not a directory.
+    """
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {path!r}: exists and is not a directory")
+    return out
+
+
+def _close(files: list[IO[str]]) -> None:
+    """Close every file; raises the first close's OSError (a last write that failed), naming its file."""
+    failed = None
+    for f in files:
+        try:
+            f.close()
+        except OSError as err:
+            failed = failed or name_error(err, f)
+    if failed is not None:
+        raise failed
+
+
 def _write_meta(path: Path, args: argparse.Namespace, policies: dict[str, dict]) -> None:
     meta = {"command": sys.argv, "commit": git_commit(), "seed": args.seed,
             "workload": args.workload, "profile": args.profile,
@@ -77,16 +126,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     facts = facts_for(profile, args.invariant_rows)
     workload = load_workload(args.workload, args.seed)
-    trace = open(args.trace, "w") if args.trace else None
-    perfetto = open(args.perfetto, "w") if args.perfetto else None
+    trace_path, perfetto_path = _output_file(args.trace, "--trace"), _output_file(args.perfetto, "--perfetto")
+    outputs = [p for p in (trace_path, perfetto_path) if p is not None]
+    trace = open(trace_path, "w") if trace_path else None  # before the run: an unwritable path fails at once
+    perfetto = open(perfetto_path, "w") if perfetto_path else None
+    for path in outputs:
+        _write_meta(path, args, {"policy": policy_to_dict(cfg)})
     t0 = time.perf_counter()
     try:
         report = simulate(workload, cfg, profile, facts, trace=trace, perfetto=perfetto,
                           check=not args.no_check, fast_forward=not args.no_fast_forward)
     finally:
-        for f in (trace, perfetto):
-            if f is not None:
-                f.close()
+        _close([f for f in (trace, perfetto) if f is not None])
     wall = time.perf_counter() - t0
     print(f"workload {args.workload} (seed {args.seed}, {len(workload.conversations)} conversations), "
           f"policy {args.policy or 'default'}, profile {profile.name} ({profile.source}), "
@@ -100,10 +151,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"ideal reuse of this trace (unlimited cache, 512-row blocks): {workload.ideal_reuse:.1%}")
     checked = "skipped" if args.no_check else f"held on all {report.events:,} events"
     print(f"invariants (DESIGN rules 1-8): {checked}; wall {wall:.2f} s")
-    for path in (args.trace, args.perfetto):
-        if path:
-            _write_meta(Path(path), args, {"policy": policy_to_dict(cfg)})
-            print(f"wrote {path}")
+    for path in outputs:
+        print(f"wrote {path}")
     return 0
 
 
@@ -163,8 +212,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from sim.fuzz import fuzz
 
-    return fuzz(examples=args.examples, minutes=args.minutes, seed=args.seed, out_dir=Path(args.out),
-                profile_name=args.profile)
+    return fuzz(examples=args.examples, minutes=args.minutes, seed=args.seed,
+                out_dir=_output_dir(args.out, "--out"), profile_name=args.profile)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -172,8 +221,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     grid = parse_grid(args.grid)
     return sweep(grid, base_policy=args.policy, workload=args.workload, profile=args.profile,
-                 seed=args.seed, invariant_rows=args.invariant_rows, out_dir=Path(args.out),
-                 jobs=args.jobs, check=not args.no_check)
+                 seed=args.seed, invariant_rows=args.invariant_rows, out_dir=_output_dir(args.out, "--out"),
+                 jobs=args.jobs, check=not args.no_check, fast_forward=not args.no_fast_forward)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("base", metavar="BASE.toml")
     diff.add_argument("change", metavar="CHANGE.toml")
     _common(diff)
-    diff.add_argument("--top", type=int, default=10, help="requests to list (default: %(default)s)")
+    diff.add_argument("--top", type=_count, default=10, help="requests to list, >= 0 (default: %(default)s)")
     diff.set_defaults(fn=cmd_diff)
     fz = sub.add_parser("fuzz", help="random workloads and policies under every invariant (Hypothesis)")
     budget = fz.add_mutually_exclusive_group()
@@ -209,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a PolicyConfig field and its values; repeat for more fields")
     sw.add_argument("--policy", metavar="FILE.toml", help="base policy the grid changes")
     _common(sw)
-    sw.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPU count)")
+    sw.add_argument("--jobs", type=_positive_int, default=None,
+                    help="worker processes, >= 1 (default: CPU count, at most one per policy)")
     sw.add_argument("--out", default="sweep-out", help="output folder (default: %(default)s)")
     sw.set_defaults(fn=cmd_sweep)
     return p
@@ -233,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     except InvariantBroken as err:
         print(err, file=sys.stderr)
         return 3
-    except (ValueError, FileNotFoundError) as err:
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file that cannot be read or written: `error: PATH: reason`
+        where = f"{err.filename}: " if err.filename is not None else ""
+        print(f"error: {where}{err.strerror or err}", file=sys.stderr)
         return 2

@@ -8,11 +8,12 @@ Turns (runs, starts, ideal_reuse) is documented in sim/README.md. Not here: JSON
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from policy.prefix import Prompt, Run
-from sim.workload import Conversation, Turn, Workload
+from sim.workload import MAX_TIME_S, Conversation, Turn, Workload, utf8_text
 
 BLOCK_ROWS = 512
 """Rows (tokens) per Mooncake hash block."""
@@ -23,8 +24,10 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 def _field(record: Any, key: str, lineno: int, path: Path) -> Any:
     value = record.get(key) if isinstance(record, dict) else None
     ok = isinstance(value, list) if key == "hash_ids" else isinstance(value, int) and not isinstance(value, bool)
-    if not ok or (key != "hash_ids" and value < 0):
+    top = MAX_TIME_S * 1000 if key == "timestamp" else math.inf
+    if not ok or (key != "hash_ids" and not 0 <= value <= top):
         need = "a list of integers" if key == "hash_ids" else "an integer >= 0"
+        need = "an integer of ms in [0, 1e10] (1e7 s, MAX_TIME_S)" if key == "timestamp" else need
         raise ValueError(f"{path}:{lineno}: {key}: must be {need}, got {value!r}")
     return value
 
@@ -32,10 +35,11 @@ def _field(record: Any, key: str, lineno: int, path: Path) -> Any:
 def _parse(path: Path, limit: int | None) -> list[tuple[int, int, int, list[int], int]]:
     """(timestamp_ms, input_length, output_length, hash_ids, lineno) of the first `limit` lines."""
     out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
+            line = utf8_text(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -70,7 +74,8 @@ def read_mooncake(path: str | Path = DEFAULT_TRACE, limit: int | None = None) ->
     prompt rows: 0.374 on the shipped trace.
 
     Raises:
-      ValueError `PATH:LINE: field: problem` for a malformed line; OSError when unreadable.
+      ValueError `PATH:LINE: field: problem` for a malformed line (not UTF-8, not JSON, a bad
+      field, a timestamp past 1e10 ms = sim.workload.MAX_TIME_S); OSError when unreadable.
     """
     path = Path(path)
     children: dict[tuple[int, int], int] = {}

@@ -53,26 +53,33 @@ def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
     return grid
 
 
-def _run_one(job: tuple[dict[str, Any], dict[str, Any], str, str, int, Any, bool]) -> dict[str, Any]:
-    changes, base, workload_spec, profile_name, seed, invariant_rows, check = job
+def _run_one(job: tuple[dict[str, Any], dict[str, Any], str, str, int, Any, bool, bool]) -> dict[str, Any]:
+    changes, base, workload_spec, profile_name, seed, invariant_rows, check, fast_forward = job
     cfg = load_policy_file(None).with_changes(**{**base, **changes})
     profile = load_profile(profile_name)
     report = simulate(load_workload(workload_spec, seed), cfg, profile, facts_for(profile, invariant_rows),
-                      check=check)
+                      check=check, fast_forward=fast_forward)
     return {**changes, **report.metrics}
 
 
 def sweep(grid: dict[str, list[Any]], *, base_policy: str | None, workload: str, profile: str, seed: int,
-          invariant_rows: Any, out_dir: Path, jobs: int | None, check: bool) -> int:
-    """Run every combination of `grid` over the workload; write CSV + plots under out_dir."""
+          invariant_rows: Any, out_dir: Path, jobs: int | None, check: bool, fast_forward: bool) -> int:
+    """Run every combination of `grid` over the workload (`check` and `fast_forward` as in
+    sim.api.simulate) in `jobs` processes (None: one per CPU, at most one per policy); write
+    CSV + plots under out_dir.
+
+    Raises ValueError `jobs: ...` when jobs < 1, and ValueError for a bad grid value (before any run).
+    """
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs: must be at least 1, got {jobs}")
     base = policy_to_dict(load_policy_file(base_policy))
     names = list(grid)
     combos = [dict(zip(names, values)) for values in itertools.product(*grid.values())]
     for c in combos:
         load_policy_file(None).with_changes(**{**base, **c})  # fail fast on a bad value
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = [(c, base, workload, profile, seed, invariant_rows, check) for c in combos]
-    jobs = jobs or min(len(work), os.cpu_count() or 1)
+    work = [(c, base, workload, profile, seed, invariant_rows, check, fast_forward) for c in combos]
+    jobs = jobs if jobs is not None else min(len(work), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         rows = list(tqdm(pool.map(_run_one, work), total=len(work), desc="sweep", unit="policy",
                          file=sys.stderr))

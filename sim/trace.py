@@ -14,14 +14,27 @@ from policy import events as ev
 WARM_TRACK = 0
 
 
+def name_error(err: OSError, out: IO[str]) -> OSError:
+    """`err` naming the file `out` (its `name`, where it has one) when it names none: a failed
+    write (ENOSPC, EIO) names no file."""
+    if err.filename is None:
+        err.filename = getattr(out, "name", None)
+    return err
+
+
 class JsonlTrace:
-    """Writes each event as one JSON line (`policy.events.event_dict`) to an open text file."""
+    """Writes each event as one JSON line (`policy.events.event_dict`) to an open text file.
+
+    Raises OSError naming the file when a write fails."""
 
     def __init__(self, out: IO[str]) -> None:
         self._out = out
 
     def event(self, e: ev.Event) -> None:
-        self._out.write(json.dumps(ev.event_dict(e), separators=(",", ":")) + "\n")
+        try:
+            self._out.write(json.dumps(ev.event_dict(e), separators=(",", ":")) + "\n")
+        except OSError as err:
+            raise name_error(err, self._out)
 
 
 class PerfettoTrace:
@@ -88,8 +101,12 @@ class PerfettoTrace:
             self._instant(e.kind, WARM_TRACK, e.t, ev.event_dict(e))
 
     def write(self, out: IO[str]) -> None:
+        """Write the collected trace to `out`. Raises OSError naming the file when a write fails."""
         meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": WARM_TRACK,
                  "args": {"name": "warm passes"}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": i, "args": {"name": f"lane {i}"}}
                  for i in range(1, self._lanes + 1)]
-        json.dump({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, out)
+        try:
+            json.dump({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, out)
+        except OSError as err:
+            raise name_error(err, out)

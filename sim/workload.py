@@ -27,6 +27,11 @@ FOOTER_ID = -5
 """content_id of every footer run; header ids are -1 .. -4 (Role.header_id)."""
 MAX_CONTENT_ID = 1 << 126
 """Content ids in files and messages lie in [0, MAX_CONTENT_ID)."""
+MAX_TIME_S = 1e7
+"""Times (start_s, think_s, arrival_s) lie in [0, MAX_TIME_S] seconds (~115 days): a day's
+workload is 86,400 s, and 1e308 would print sim_end_s as a 309-digit number."""
+_TIME_NEED = "a finite number of seconds in [0, 1e7] (~115 days)"
+"""What `_is_time` asks of a time (MAX_TIME_S), as an error message says it."""
 
 
 class Role(enum.Enum):
@@ -56,7 +61,20 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_time(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= MAX_TIME_S
+
+
+def utf8_text(raw: bytes, path: str | Path, first_line: int = 1) -> str:
+    """`raw`, bytes of file `path` from the start of line `first_line` on, as text.
+
+    Raises ValueError `PATH:LINE: not UTF-8: byte 0xNN at column C`.
+    """
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + raw.count(b"\n", 0, e.start)
+        column = e.start - raw.rfind(b"\n", 0, e.start)
+        raise ValueError(f"{path}:{line}: not UTF-8: byte 0x{raw[e.start]:02x} at column {column}") from None
 
 
 def _check_starts(field: str, starts: tuple[int, ...], rows: int) -> None:
@@ -99,9 +117,9 @@ class Turn:
             _check(not cs, "continuation_starts", cs, "() when continuation is None")
         else:
             _check_starts("continuation_starts", self.continuation_starts, len(self.continuation))
-        _check(_is_time(self.think_s), "think_s", self.think_s, "a finite number >= 0")
+        _check(_is_time(self.think_s), "think_s", self.think_s, _TIME_NEED)
         a = self.arrival_s
-        _check(a is None or _is_time(a), "arrival_s", a, "None or a finite number >= 0")
+        _check(a is None or _is_time(a), "arrival_s", a, f"None or {_TIME_NEED}")
 
 
 @attrs.frozen
@@ -114,7 +132,7 @@ class Conversation:
 
     def __attrs_post_init__(self) -> None:
         _check(isinstance(self.id, str) and self.id != "", "id", self.id, "a non-empty string")
-        _check(_is_time(self.start_s), "start_s", self.start_s, "a finite number >= 0")
+        _check(_is_time(self.start_s), "start_s", self.start_s, _TIME_NEED)
         _check(len(self.turns) > 0, "turns", self.turns, "non-empty")
 
 
@@ -171,7 +189,7 @@ class Message:
                "an integer in [0, 2**126), absent on a primer")
         for name in ("think_s", "arrival_s"):
             v = getattr(self, name)
-            _check(v is None or _is_time(v), name, v, "a finite number >= 0")
+            _check(v is None or _is_time(v), name, v, _TIME_NEED)
 
     @property
     def is_primer(self) -> bool:
@@ -366,7 +384,7 @@ def conversation_from_json(value: Any) -> Conversation:
     obj = _object(value, "", ("id", "start_s", "messages", "turns"))
     conv_id, start_s = obj.get("id"), obj.get("start_s", 0.0)
     _check(isinstance(conv_id, str) and conv_id != "", "id", conv_id, "a non-empty string")
-    _check(_is_time(start_s), "start_s", start_s, "a finite number >= 0")
+    _check(_is_time(start_s), "start_s", start_s, _TIME_NEED)
     _check(("messages" in obj) != ("turns" in obj), "messages", None, "given, or turns given, but not both")
     if "messages" in obj:
         listed = _list(obj["messages"], "messages")
@@ -422,12 +440,14 @@ def read_workload(path: str | Path) -> Workload:
     one conversation a line. The name defaults to the file's stem.
 
     Raises:
-      ValueError `PATH:LINE: field: problem` for a bad line; OSError when unreadable.
+      ValueError `PATH:LINE: field: problem` for a bad line (not UTF-8, not JSON, a bad field);
+      OSError when unreadable.
     """
     path = Path(path)
     name, ideal, conversations, seen = path.stem, None, [], False
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = utf8_text(raw, path, lineno)
             if not line.strip():
                 continue
             try:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import errno
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from policy.config import PolicyConfig, parse_policy
+from sim import cli, sweep
 from sim.cli import build_parser, changed_requests, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,3 +160,124 @@ def test_the_recorded_commit_says_when_tracked_files_changed(monkeypatch, status
 
     monkeypatch.setattr(api.subprocess, "run", run)
     assert api.git_commit() == want
+
+
+UNUSABLE_PATHS = [  # argv, the exact error; {d} is a folder d.jsonl, {f} a file, {t} the folder they are in
+    (["run", "--workload", "chat", "--trace", "{d}"], "--trace '{d}': want a file to write, not a directory"),
+    (["run", "--workload", "chat", "--perfetto", "{d}"], "--perfetto '{d}': want a file to write, not a directory"),
+    (["run", "--workload", "chat", "--trace", ""], "--trace '': want a file to write, not an empty path"),
+    (["run", "--workload", "chat", "--perfetto", "{t}/no/p.json"],
+     "--perfetto '{t}/no/p.json': folder '{t}/no' does not exist"),
+    (["run", "--workload", "chat", "--policy", "{d}"], "{d}: Is a directory"),
+    (["run", "--workload", "{d}"], "{d}: Is a directory"),
+    (["run", "--workload", "mooncake:"], "--workload 'mooncake:': want mooncake:PATH, got no PATH"),
+    (["run", "--workload", "mooncake:{t}/no.jsonl"], "{t}/no.jsonl: No such file or directory"),
+    (["sweep", "--grid", "lanes=1,2", "--out", "{f}"], "--out '{f}': exists and is not a directory"),
+    (["fuzz", "--examples", "1", "--out", "{f}"], "--out '{f}': exists and is not a directory"),
+]
+
+
+@pytest.mark.parametrize("argv, want", UNUSABLE_PATHS, ids=[
+    "trace-dir", "perfetto-dir", "trace-empty", "perfetto-no-folder", "policy-dir", "workload-dir",
+    "mooncake-no-path", "mooncake-missing", "sweep-out-file", "fuzz-out-file"])
+def test_a_path_that_cannot_be_used_is_an_error_before_any_run(argv, want, tmp_path, capsys):
+    """`error: PATH: reason` and exit 2, before anything is simulated, not a traceback (exit 1)."""
+    (tmp_path / "d.jsonl").mkdir()
+    (tmp_path / "f").write_text("")
+    names = dict(d=tmp_path / "d.jsonl", f=tmp_path / "f", t=tmp_path)
+    assert main([a.format(**names) for a in argv]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"error: {want.format(**names)}\n" and out.out == ""
+
+
+class _FullDevice(io.RawIOBase):
+    """A file that takes no byte, as /dev/full (every write: ENOSPC)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--perfetto"])
+def test_a_full_disk_names_the_file(flag, tmp_path, monkeypatch, capsys):
+    """A write that fails (`--trace /dev/full`) names its file: writes name none."""
+    full = str(tmp_path / "full")
+    real_open = open
+    monkeypatch.setattr(cli, "open", lambda path, mode="r", *a, **kw: io.TextIOWrapper(io.BufferedWriter(
+        _FullDevice(str(path)))) if str(path) == full else real_open(path, mode, *a, **kw), raising=False)
+    assert main(["run", "--workload", "chat", flag, full]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"error: {full}: No space left on device\n" and out.out == ""
+
+
+def test_diff_top_and_sweep_jobs_name_the_flag(capsys, tmp_path):
+    """`--top -1` listed every request but one; `--jobs 0` meant the default, `--jobs -1` failed
+    with `max_workers must be greater than 0`."""
+    for argv, want in [(["diff", "a.toml", "b.toml", "--top", "-1"], "--top: must be at least 0, got -1"),
+                       (["sweep", "--grid", "lanes=1,2", "--jobs", "0"], "--jobs: must be at least 1, got 0"),
+                       (["sweep", "--grid", "lanes=1,2", "--jobs", "-1"], "--jobs: must be at least 1, got -1")]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and capsys.readouterr().err.endswith(f"error: argument {want}\n")
+    assert build_parser().parse_args(["diff", "a.toml", "b.toml", "--top", "0"]).top == 0
+    with pytest.raises(ValueError, match=r"^jobs: must be at least 1, got 0$"):
+        sweep.sweep({"lanes": [1]}, base_policy=None, workload="chat", profile=cli.DEFAULT_PROFILE, seed=0,
+                    invariant_rows="profile", out_dir=tmp_path, jobs=0, check=True, fast_forward=True)
+
+
+class _InProcess:
+    """ProcessPoolExecutor's `map` in this process, so a test sees every run's arguments."""
+
+    def __init__(self, max_workers: int) -> None:
+        assert max_workers >= 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def map(self, fn, items):
+        return map(fn, items)
+
+
+@pytest.mark.parametrize("flags, want", [([], True), (["--no-fast-forward"], False)], ids=["default", "no-ff"])
+def test_sweep_runs_honour_no_fast_forward(flags, want, tmp_path, monkeypatch):
+    """`sweep --no-fast-forward` was accepted and ignored: every run must get fast_forward=False."""
+    seen = []
+    real = sweep.simulate
+    monkeypatch.setattr(sweep, "ProcessPoolExecutor", _InProcess)
+    monkeypatch.setattr(sweep, "_plot", lambda rows, names, out_dir: [])
+    monkeypatch.setattr(sweep, "simulate", lambda *a, **kw: seen.append(kw["fast_forward"]) or real(*a, **kw))
+    assert main(["sweep", "--grid", "lanes=1,2", "--workload", "chat", "--out", str(tmp_path)] + flags) == 0
+    assert seen == [want, want]
+
+
+BAD_FILES = [  # run's flags, the file's bytes, the exact error; {p} is the file
+    (["--workload", "{p}"], b'{"id": "a", "messages": [{"role": "user", "rows": 9, "arrival_s": 1e308}, '
+     b'{"role": "assistant", "rows": 5}]}\n',
+     "{p}:1: messages[0].arrival_s: must be a finite number of seconds in [0, 1e7] (~115 days), got 1e+308"),
+    (["--workload", "{p}"], b"", "{p}: no requests"),
+    (["--workload", "{p}"], b'{"workload": "h"}\n\n', "{p}: no requests"),
+    (["--workload", "mooncake:{p}"], b"\n", "{p}: no requests"),
+    (["--workload", "{p}"], b'{"workload": "h"}\n{"id": "caf\xe9"}\n', "{p}:2: not UTF-8: byte 0xe9 at column 12"),
+    (["--workload", "mooncake:{p}"], b"\xff\n", "{p}:1: not UTF-8: byte 0xff at column 1"),
+    (["--workload", "chat", "--policy", "{p}"], b"lanes = 2\n# caf\xe9\n", "{p}:2: not UTF-8: byte 0xe9 at column 6"),
+]
+
+
+@pytest.mark.parametrize("flags, data, want", BAD_FILES, ids=[
+    "arrival-1e308", "empty", "header-only", "mooncake-empty", "workload-utf8", "mooncake-utf8", "policy-utf8"])
+def test_bad_workload_and_policy_files_name_the_file(flags, data, want, tmp_path, capsys):
+    """Arrival times past 1e7 s (sim_end_s printed 309 digits), files with no request (were
+    "held on all 0 events", exit 0), bytes that are not UTF-8 (named no file): `error: PATH...`."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(data)
+    assert main(["run"] + [f.format(p=path) for f in flags]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"error: {want.format(p=path)}\n" and out.out == ""

@@ -60,7 +60,9 @@ def test_round_trips_through_jsonl(tmp_path):
     (dict(input_length=10, output_length=1, hash_ids=[1]), r":2: timestamp:"),
     (dict(timestamp=0, input_length=10, output_length=-1, hash_ids=[1]), r":2: output_length:"),
     (dict(timestamp=0, input_length=10, output_length=1, hash_ids=["a"]), r":2: hash_ids:"),
-], ids=["count", "missing", "negative", "type"])
+    (dict(timestamp=10**10 + 1, input_length=10, output_length=1, hash_ids=[1]),
+     r":2: timestamp: must be an integer of ms in \[0, 1e10\] \(1e7 s, MAX_TIME_S\), got 10000000001$"),
+], ids=["count", "missing", "negative", "type", "timestamp-past-1e7-s"])
 def test_errors_name_line_and_field(tmp_path, record, match):
     with pytest.raises(ValueError, match=match):
         read_mooncake(write_trace(tmp_path / "t.jsonl", [TINY[0], record]))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from policy.prefix import Prompt
 from sim.workload import (
     FOOTER_ID,
+    MAX_TIME_S,
     Conversation,
     Message,
     Role,
@@ -109,7 +110,10 @@ def test_render_errors(messages, match):
     (dict(role="assistant", max_tokens=5), "max_tokens"), (dict(role="user", max_tokens=0), "max_tokens"),
     (dict(role="assistant", rows=4, max_tokens=0), "rows"), (dict(role="user", rows=1, content_id=-1), "content_id"),
     (dict(role="user", rows=1, think_s=-1.0), "think_s"), (dict(role="user", rows=True), "rows"),
-], ids=["zero-rows", "user-reasoning", "max-tokens-5", "user-max-tokens", "primer-rows", "neg-id", "neg-think", "bool"])
+    (dict(role="user", rows=1, arrival_s=MAX_TIME_S * 1.001), "arrival_s"),
+    (dict(role="user", rows=1, think_s=1e308), "think_s"),
+], ids=["zero-rows", "user-reasoning", "max-tokens-5", "user-max-tokens", "primer-rows", "neg-id", "neg-think", "bool",
+        "arrival-past-max", "think-1e308"])
 def test_message_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):
         Message(**kw)
@@ -127,6 +131,9 @@ def test_turn_and_workload_validation():
         Turn(p, (0,), 1, None, (0,), 0.0)
     with pytest.raises(ValueError, match=r"^arrival_s:"):
         Turn(p, (0,), 1, None, (), 0.0, float("nan"))
+    assert Turn(p, (0,), 1, None, (), MAX_TIME_S, MAX_TIME_S).arrival_s == MAX_TIME_S  # the limit itself is a time
+    with pytest.raises(ValueError, match=r"^start_s: must be a finite number of seconds in \[0, 1e7\]"):
+        Conversation("far", MAX_TIME_S * 2, (Turn(p, (0,), 1, None, (), 0.0),))
     c = Conversation("dup", 0.0, (Turn(p, (0,), 1, None, (), 0.0),))
     with pytest.raises(ValueError, match=r"'dup' appears more than once"):
         Workload("w", (c, c))
