@@ -21,6 +21,7 @@ import structlog
 from executor.api_schema import ApiError, parse_chat
 from executor.backend import Backend
 from executor.chat import ChatRenderer, load_template
+from executor.config import Qwen35Config, load_config
 from executor.model import tiny_model_dir
 from executor.reference.backend import ReferenceBackend
 from executor.sampling import SamplingParams, new_rng, sample, top_logprobs
@@ -56,11 +57,11 @@ class GenerateResult:
     finish_reason: str
 
 
-def check_fits(backend: Backend, request: GenerateRequest) -> None:
+def check_fits(config: Qwen35Config, request: GenerateRequest) -> None:
     """Raise ValueError, naming the limit, when the prompt and max_tokens pass the model's
     context (max_position_embeddings: the server rejects the same request with a 400) or
     logprobs asks for more tokens than the vocabulary has."""
-    context, vocab = backend.config.max_position_embeddings, backend.config.vocab_size
+    context, vocab = config.max_position_embeddings, config.vocab_size
     rows = len(request.prompt_ids) + request.max_tokens
     if rows > context:
         raise ValueError(f"max_tokens: the prompt's {len(request.prompt_ids)} tokens and {request.max_tokens} "
@@ -72,7 +73,7 @@ def check_fits(backend: Backend, request: GenerateRequest) -> None:
 def generate(backend: Backend, request: GenerateRequest) -> GenerateResult:
     """Prefill the whole prompt in one chunk, then decode one token per step. Raises
     ValueError when the request does not fit the model (`check_fits`)."""
-    check_fits(backend, request)
+    check_fits(backend.config, request)
     rng = new_rng(request.seed)
     state = backend.new_state()
     tokens: list[int] = []
@@ -170,9 +171,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(spec, dict) or not isinstance(spec.get("messages"), list):
             print(f"error: --chat {args.chat}: want a message list or {{\"messages\": [...]}}", file=sys.stderr)
             return 2
+        thinking = spec.get("enable_thinking", True)
+        if not isinstance(thinking, bool):
+            print(f"error: --chat {args.chat}: enable_thinking: expected true or false, got {json.dumps(thinking)[:40]}",
+                  file=sys.stderr)
+            return 2
         try:  # the server's checks of a message list: a bad role or field named as the API names it
             call = parse_chat({"messages": spec["messages"], "tools": spec.get("tools"),
-                               "chat_template_kwargs": {"enable_thinking": spec.get("enable_thinking", True)}})
+                               "chat_template_kwargs": {"enable_thinking": thinking}})
         except ApiError as err:
             print(f"error: --chat {args.chat}: {err.message}", file=sys.stderr)
             return 2
@@ -182,8 +188,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
                 list(call.messages), list(call.tools) if call.tools else None, enable_thinking=call.enable_thinking
             ).token_ids
         )
-    backend = ReferenceBackend.from_dir(model_dir)
-    stop = set(backend.config.eos_token_ids)
+    config = load_config(model_dir)
+    stop = set(config.eos_token_ids)
     if tokenizer is not None and tokenizer.token_to_id("<|im_end|>") is not None:
         stop.add(tokenizer.token_to_id("<|im_end|>"))
     seed = args.seed if args.seed is not None else secrets.randbits(63)
@@ -196,10 +202,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
             seed=seed,
             stop_ids=stop,
         )
+        check_fits(config, request)  # before the weights load: a large checkpoint takes minutes
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = generate(backend, request)
+    result = generate(ReferenceBackend.from_dir(model_dir), request)
     text = tokenizer.decode(list(result.tokens), skip_special_tokens=False) if tokenizer is not None else None
     if args.json:
         out: dict[str, Any] = {

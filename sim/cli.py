@@ -92,25 +92,35 @@ def _output_file(path: str | None, flag: str) -> Path | None:
 
 
 def _output_dir(path: str, flag: str) -> Path:
-    """The folder `flag` writes into (made when missing), checked before anything runs.
+    """The folder `flag` writes into (made when missing), checked before anything runs: fuzz
+    writes there only when a case fails, and that case must not be lost to a bad path.
 
-    Raises ValueError `FLAG 'PATH': ...` when PATH exists and is not a directory.
+    Raises ValueError `FLAG 'PATH': ...` when PATH or the nearest folder above it that exists
+    is not a directory, or that folder is not writable.
     """
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {path!r}: exists and is not a directory")
+    above = out.absolute()
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ValueError(f"{flag} {path!r}: {str(above)!r} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: {str(above)!r} is not writable")
     return out
 
 
-def _close(files: list[IO[str]]) -> None:
-    """Close every file; raises the first close's OSError (a last write that failed), naming its file."""
+def _close(files: list[IO[str]], quiet: bool = False) -> None:
+    """Close every file; raises the first close's OSError (a last write that failed), naming its
+    file, unless quiet (closing after another error, which is the one to report)."""
     failed = None
     for f in files:
         try:
             f.close()
         except OSError as err:
             failed = failed or name_error(err, f)
-    if failed is not None:
+    if failed is not None and not quiet:
         raise failed
 
 
@@ -133,11 +143,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     for path in outputs:
         _write_meta(path, args, {"policy": policy_to_dict(cfg)})
     t0 = time.perf_counter()
+    files = [f for f in (trace, perfetto) if f is not None]
     try:
         report = simulate(workload, cfg, profile, facts, trace=trace, perfetto=perfetto,
                           check=not args.no_check, fast_forward=not args.no_fast_forward)
-    finally:
-        _close([f for f in (trace, perfetto) if f is not None])
+    except BaseException:
+        _close(files, quiet=True)  # the run's own error (a broken rule: exit 3) is the one reported
+        raise
+    _close(files)
     wall = time.perf_counter() - t0
     print(f"workload {args.workload} (seed {args.seed}, {len(workload.conversations)} conversations), "
           f"policy {args.policy or 'default'}, profile {profile.name} ({profile.source}), "

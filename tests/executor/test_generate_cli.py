@@ -142,3 +142,44 @@ def test_chat_file_with_an_unknown_role_names_it(capsys, tmp_path):
     assert main(["--chat", str(chat), "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --chat {chat}: messages[0].role") and "wizard" in err
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("extra", [{}, {"enable_thinking": False}, {"tools": [TOOL]},
+                                   {"tools": [TOOL], "enable_thinking": False}], ids=["plain", "no-think", "tools", "both"])
+def test_chat_file_renders_as_the_server_does(capsys, tmp_path, extra):
+    """--chat's tools and enable_thinking (default on) reach the template: the prompt is the
+    server's rendering of the same request."""
+    from executor.chat import ChatRenderer, load_template
+    from executor.tokenizer import load_tokenizer
+
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"messages": messages, **extra}))
+    out = _run(capsys, "--chat", str(chat), "--max-tokens", "0", "--json")
+    model = tiny_model_dir()
+    renderer = ChatRenderer(load_tokenizer(model), load_template(model))
+    want = renderer.render(messages, extra.get("tools"), enable_thinking=extra.get("enable_thinking", True)).token_ids
+    assert out["prompt_tokens"] == len(want)
+
+
+def test_chat_file_thinking_type_error_names_the_file_s_field(capsys, tmp_path):
+    """A non-bool enable_thinking in the --chat file is named as the file names it (it was named
+    chat_template_kwargs.enable_thinking, the API's field)."""
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "enable_thinking": "no"}))
+    assert main(["--chat", str(chat), "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --chat {chat}: enable_thinking:"), err
+
+
+def test_logprobs_up_to_the_vocabulary_fit(capsys, tmp_path):
+    """--logprobs may be the vocabulary's size, not one more."""
+    model = random_checkpoint(attrs.evolve(small_config(), max_position_embeddings=64), 9, tmp_path,
+                              with_tokenizer=False)
+    vocab = small_config().vocab_size
+    assert main(["--model", str(model), "--prompt-ids", "1,2", "--max-tokens", "1", "--logprobs", str(vocab)]) == 0
+    capsys.readouterr()
+    assert main(["--model", str(model), "--prompt-ids", "1,2", "--max-tokens", "1", "--logprobs", str(vocab + 1)]) == 2

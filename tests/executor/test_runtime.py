@@ -911,3 +911,34 @@ def test_a_trace_write_error_stops_tracing_and_fails_no_request(model):
     assert [(d.reason, d.completion_tokens, d.error) for d in dones] == [("length", 3, None)] * 2
     assert failed is None
     assert trace.closed and steps.closed
+
+class _FlushFails(io.StringIO):
+    """A trace file on a full disk as a buffered file behaves: writes are buffered, flush raises ENOSPC."""
+
+    def flush(self):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_trace_flush_error_stops_tracing_and_fails_no_request(model):
+    """As the write test above, with the error where a real full disk raises it: at the flush of
+    the buffered lines (the runtime's `_flush_traces`)."""
+    backend, tok, _ = model
+    trace, steps = _FlushFails(), _FlushFails()
+
+    async def main():
+        runtime = Runtime(Scripted(backend, _ids(tok, "one two three four five")), tok, CFG, trace=trace,
+                          steps=steps)
+        await runtime.start()
+        try:
+            dones = []
+            for _ in range(2):
+                _, done = await _collect(await runtime.enqueue(_job(tok, max_tokens=3)))
+                dones.append(done)
+            return dones, runtime.broken
+        finally:
+            await runtime.close()
+
+    dones, failed = asyncio.run(main())
+    assert [(d.reason, d.completion_tokens, d.error) for d in dones] == [("length", 3, None)] * 2
+    assert failed is None
+    assert trace.closed and steps.closed

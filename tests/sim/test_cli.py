@@ -174,12 +174,13 @@ UNUSABLE_PATHS = [  # argv, the exact error; {d} is a folder d.jsonl, {f} a file
     (["run", "--workload", "mooncake:{t}/no.jsonl"], "{t}/no.jsonl: No such file or directory"),
     (["sweep", "--grid", "lanes=1,2", "--out", "{f}"], "--out '{f}': exists and is not a directory"),
     (["fuzz", "--examples", "1", "--out", "{f}"], "--out '{f}': exists and is not a directory"),
+    (["fuzz", "--examples", "1", "--out", "{f}/sub"], "--out '{f}/sub': '{f}' is not a directory"),
 ]
 
 
 @pytest.mark.parametrize("argv, want", UNUSABLE_PATHS, ids=[
     "trace-dir", "perfetto-dir", "trace-empty", "perfetto-no-folder", "policy-dir", "workload-dir",
-    "mooncake-no-path", "mooncake-missing", "sweep-out-file", "fuzz-out-file"])
+    "mooncake-no-path", "mooncake-missing", "sweep-out-file", "fuzz-out-file", "fuzz-out-under-a-file"])
 def test_a_path_that_cannot_be_used_is_an_error_before_any_run(argv, want, tmp_path, capsys):
     """`error: PATH: reason` and exit 2, before anything is simulated, not a traceback (exit 1)."""
     (tmp_path / "d.jsonl").mkdir()
@@ -213,6 +214,25 @@ def test_a_full_disk_names_the_file(flag, tmp_path, monkeypatch, capsys):
     assert main(["run", "--workload", "chat", flag, full]) == 2
     out = capsys.readouterr()
     assert out.err == f"error: {full}: No space left on device\n" and out.out == ""
+
+
+def test_a_broken_rule_is_reported_even_when_the_trace_cannot_be_closed(tmp_path, monkeypatch, capsys):
+    """A run that breaks a rule exits 3 with the rule's report, though closing the trace then
+    fails too (its last write on a full disk): the close's OSError is not the error reported."""
+    from sim.invariants import InvariantBroken
+
+    full = str(tmp_path / "full")
+    real_open = open
+    monkeypatch.setattr(cli, "open", lambda path, mode="r", *a, **kw: io.TextIOWrapper(io.BufferedWriter(
+        _FullDevice(str(path)))) if str(path) == full else real_open(path, mode, *a, **kw), raising=False)
+
+    def broken(*args, trace=None, **kw):
+        trace.write("x")  # buffered: the close's flush fails
+        raise InvariantBroken("rule 1", "planted", None, [])
+
+    monkeypatch.setattr(cli, "simulate", broken)
+    assert main(["run", "--workload", "chat", "--trace", full]) == 3
+    assert "planted" in capsys.readouterr().err
 
 
 def test_diff_top_and_sweep_jobs_name_the_flag(capsys, tmp_path):
@@ -281,3 +301,24 @@ def test_bad_workload_and_policy_files_name_the_file(flags, data, want, tmp_path
     assert main(["run"] + [f.format(p=path) for f in flags]) == 2
     out = capsys.readouterr()
     assert out.err == f"error: {want.format(p=path)}\n" and out.out == ""
+
+
+class _NoSpace(io.StringIO):
+    name = "out.trace"
+
+    def write(self, s):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_trace_writers_name_their_file_on_a_write_error():
+    """A failed write (ENOSPC names no file) raises naming the trace's file, from the writers
+    themselves (the CLI's closing would name it too, and hid a writer that did not)."""
+    from policy import events as ev
+    from sim.trace import JsonlTrace, PerfettoTrace
+
+    with pytest.raises(OSError) as err:
+        JsonlTrace(_NoSpace()).event(ev.Event(t=0.0))
+    assert err.value.filename == "out.trace"
+    with pytest.raises(OSError) as err:
+        PerfettoTrace().write(_NoSpace())
+    assert err.value.filename == "out.trace"

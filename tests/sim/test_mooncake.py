@@ -71,6 +71,13 @@ def test_errors_name_line_and_field(tmp_path, record, match):
         read_mooncake(tmp_path / "j.jsonl")
 
 
+def test_a_timestamp_at_the_limit_reads(tmp_path):
+    """1e10 ms (MAX_TIME_S) is inside the bound; one more is not (the test above)."""
+    w = read_mooncake(write_trace(tmp_path / "t.jsonl", [dict(timestamp=10**10, input_length=10, output_length=1,
+                                                              hash_ids=[1])]))
+    assert w.conversations[0].turns[0].arrival_s == 1e7
+
+
 @needs_trace
 def test_shipped_trace_reuse():
     # Read speed is a benchmark (bench/sim_speed.py reports the load time), not a timed test:

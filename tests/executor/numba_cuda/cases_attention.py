@@ -102,3 +102,19 @@ def test_decode_rejects_what_its_loads_cannot_serve():
     qg = r.normal(size=(1, 2 * 2 * 16)).astype(np.float32)
     with pytest.raises(ValueError, match=r"split_rows in \[1, 256\] \(got 257\)"):
         _run(q, qg, [0], [3], to_device(kh), to_device(vh), 1, attention.MAX_DECODE_SPLIT_ROWS + 1)
+
+
+def test_decode_attention_combines_more_splits_than_it_loads_at_once():
+    """A lane with more splits than COMBINE_IN_FLIGHT (6 splits of 4 keys): the combine's batched
+    loads and its tail both run (the other cases have at most 3 splits; a review planted
+    `weights[i]` for `weights[i + u]` in the batched loop and no test failed)."""
+    r = rng()
+    heads, kv_heads, head_dim = 2, 1, 16
+    kh, vh = _cache(r, 1, 24, kv_heads, head_dim)
+    position = 21
+    assert position // 4 + 1 > attention.COMBINE_IN_FLIGHT
+    q = r.normal(size=(1, heads, head_dim)).astype(np.float32)
+    qg = r.normal(size=(1, heads * 2 * head_dim)).astype(np.float32)
+    out = _run(q, qg, [0], [position], to_device(kh), to_device(vh), 1, 4)
+    ref = _ref(q, qg, as_f32(kh[0]), as_f32(vh[0]), position)
+    assert_close("lane 0", ref, as_f32(out), TOL, rel=True)

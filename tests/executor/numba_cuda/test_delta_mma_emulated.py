@@ -204,6 +204,19 @@ def test_host_runner_shared_memory_equals_the_launcher_s(host):
     assert want == [(p, w) for *_, p, w in rows]
 
 
+def test_every_walk_shape_fits_a_cta_s_shared_memory():
+    """Every (BV, warps) `walk_shape` picks, at every key and value dim the kernel is built for,
+    asks for at most the 232,448 bytes of dynamic shared memory an H200 CTA may have (V' in its
+    own buffer took the 27B's BV 64 to 230,912; a stride 4 floats wider passes every emulator
+    test and fails only at launch on a GPU)."""
+    from executor.numba_cuda import attention_flash, delta_mma
+
+    most = max(4 * delta_mma._walk_floats(kd, delta_mma.walk_shape(vd, heads, sms)[0])
+               for kd in delta_mma.KEY_DIMS for vd in delta_mma.VALUE_DIMS
+               for heads in (1, 2, 3, 16, 32, 48, 64, 128, 256) for sms in (132, 114, 78))
+    assert most == 230_912 and most <= attention_flash.MAX_SHARED_BYTES == 232_448
+
+
 PINNED = {3: "9102955de7d0c56105e7aff0b42d123cc7a83596115a083f2824ab818e922bbc",
           1: "a0edae320a03e1276065460bc5316299fc320f978f757081f87c9f547382feae"}
 """sha256 of the emulated output and state bytes of WIDE (BV 32, 8 warps), pinned on the source of
