@@ -152,7 +152,9 @@ class Scheduler:
         for i, (req, _) in enumerate(self._queue):
             if req.id == request_id:
                 del self._queue[i]
-                return self._finish_unadmitted(req, now, "cancelled")
+                effects = self._finish_unadmitted(req, now, "cancelled")
+                self._note_quiet(now)
+                return effects
         for stream, lane in self._lanes.items():
             if lane.request.id == request_id:
                 lane.cancelled = True
@@ -246,8 +248,7 @@ class Scheduler:
         for stream, lane in list(self._lanes.items()):
             if lane.cancelled:
                 effects.extend(self._finish(stream, now, "cancelled"))
-        if not self._foreground_work() and self._quiet_since is None:
-            self._quiet_since = now
+        self._note_quiet(now)
         if step.prefill is not None and step.prefill.kind is PassKind.WARM and self._foreground_work():
             w = self._warm_running
             if w is not None and w.pass_ is not None:
@@ -322,6 +323,14 @@ class Scheduler:
     # --- internals: choosing chunks --------------------------------------------------------
     def _foreground_work(self) -> bool:
         return bool(self._queue) or any(not lane.cancelled for lane in self._lanes.values())
+
+    def _note_quiet(self, now: float) -> None:
+        """Quiet (the wait before a warm pass) starts at `now` if foreground work just ended:
+        after a commit, or a cancel that emptied the queue. Without the second, a request
+        cancelled while queued behind a finishing one left quiet unset and the finished one's
+        warm pass pending forever (a Hypothesis state machine found it)."""
+        if self._quiet_since is None and self._inflight is None and not self._foreground_work():
+            self._quiet_since = now
 
     def _in_flight(self, stream: int) -> bool:
         step = self._inflight
