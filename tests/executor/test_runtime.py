@@ -877,41 +877,6 @@ def test_the_idle_driver_asks_the_keep_warm_kernel_again_while_idle(model):
     assert keep.calls[-1] == "stop"  # the driver stops it as it exits
 
 
-class _FullDisk(io.StringIO):
-    """A trace file on a full disk: every write and flush raises ENOSPC (as /dev/full does)."""
-
-    def write(self, s):
-        raise OSError(28, "No space left on device")
-
-    def flush(self):
-        raise OSError(28, "No space left on device")
-
-
-def test_a_trace_write_error_stops_tracing_and_fails_no_request(model):
-    """`--trace` on a full disk: the first failed write logs and stops tracing; every request
-    still gets its tokens and the runtime stays healthy. Before the fix the OSError reached the
-    driver's error handler: the first request got 500 and every later one 503 runtime_failed."""
-    backend, tok, _ = model
-    trace, steps = _FullDisk(), _FullDisk()
-
-    async def main():
-        runtime = Runtime(Scripted(backend, _ids(tok, "one two three four five")), tok, CFG, trace=trace,
-                          steps=steps)
-        await runtime.start()
-        try:
-            dones = []
-            for _ in range(2):
-                _, done = await _collect(await runtime.enqueue(_job(tok, max_tokens=3)))
-                dones.append(done)
-            return dones, runtime.broken
-        finally:
-            await runtime.close()
-
-    dones, failed = asyncio.run(main())
-    assert [(d.reason, d.completion_tokens, d.error) for d in dones] == [("length", 3, None)] * 2
-    assert failed is None
-    assert trace.closed and steps.closed
-
 class _FlushFails(io.StringIO):
     """A trace file on a full disk as a buffered file behaves: writes are buffered, flush raises ENOSPC."""
 
@@ -919,11 +884,22 @@ class _FlushFails(io.StringIO):
         raise OSError(28, "No space left on device")
 
 
-def test_a_trace_flush_error_stops_tracing_and_fails_no_request(model):
-    """As the write test above, with the error where a real full disk raises it: at the flush of
-    the buffered lines (the runtime's `_flush_traces`)."""
+class _FullDisk(_FlushFails):
+    """A trace file on a full disk written unbuffered: every write raises ENOSPC too (as /dev/full does)."""
+
+    def write(self, s):
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("file", [_FullDisk, _FlushFails], ids=["write", "flush"])
+def test_a_trace_write_error_stops_tracing_and_fails_no_request(model, file):
+    """`--trace` on a full disk, the error at a write or at the flush of the buffered lines
+    (`_flush_traces`, where a real full disk raises it): the first failure logs and stops
+    tracing; every request still gets its tokens and the runtime stays healthy. Before the fix
+    the OSError reached the driver's error handler: the first request got 500 and every later
+    one 503 runtime_failed."""
     backend, tok, _ = model
-    trace, steps = _FlushFails(), _FlushFails()
+    trace, steps = file(), file()
 
     async def main():
         runtime = Runtime(Scripted(backend, _ids(tok, "one two three four five")), tok, CFG, trace=trace,
