@@ -62,6 +62,9 @@ class BenchConfig:
     """Prefill attention paths to time side by side (empty: the backend's own choice)."""
     prefill_delta: tuple[str, ...] = ()
     """Prefill delta-rule paths to time side by side (empty: the backend's own choice)."""
+    residual_accumulate: tuple[bool, ...] = ()
+    """NumbaCudaBackend.residual_accumulate settings to time side by side (empty: the backend's
+    own, on unless WARMSTATE_RESIDUAL_ACCUMULATE=0)."""
 
 
 # rooflines --------------------------------------------------------------------------------
@@ -381,19 +384,25 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
                 f"(device {r['graph_device_s'] * 1e3:.1f} ms)")
     chosen, chosen_delta = backend.prefill_attention, backend.prefill_delta
     result["prefill_delta"] = {"kind": chosen_delta, "passed_over": backend.delta_failures}
+    chosen_accumulate = backend.residual_accumulate
     for rows in prefill_rows:
         for path in cfg.prefill_attention or (chosen,):
             for delta in cfg.prefill_delta or (chosen_delta,):
-                backend.set_prefill_attention(path, after_prefill=True)
-                backend.set_prefill_delta(delta, after_prefill=True)
-                prefill_ours(backend, min(rows, 1024), cfg, False)  # these paths' kernels compiled and warm
-                r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
-                r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
-                r["attention"], r["delta"] = path, delta
-                result["prefill"].append(r)
-                log(f"{name} prefill {rows} ({path} attention, {delta} delta rule): TTFT {r['ttft_s']:.3f} s")
+                for accumulate in cfg.residual_accumulate or (chosen_accumulate,):
+                    backend.set_prefill_attention(path, after_prefill=True)
+                    backend.set_prefill_delta(delta, after_prefill=True)
+                    backend.residual_accumulate = accumulate
+                    prefill_ours(backend, min(rows, 1024), cfg, False)  # these paths' kernels compiled and warm
+                    r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
+                    r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
+                    r["attention"], r["delta"], r["accumulate"] = path, delta, accumulate
+                    result["prefill"].append(r)
+                    log(f"{name} prefill {rows} ({path} attention, {delta} delta rule, residual accumulate "
+                        f"{'on' if accumulate else 'off'}): TTFT {r['ttft_s']:.3f} s")
     backend.set_prefill_attention(chosen, after_prefill=True)
     backend.set_prefill_delta(chosen_delta, after_prefill=True)
+    backend.residual_accumulate = chosen_accumulate
+    result["accumulate_refused"] = {f"{n}x{k}": why for (n, k), why in backend.accumulate_refused.items()}
     backend.pool = None
     del backend
     gc.collect()
@@ -440,13 +449,14 @@ def tables(results: dict) -> str:
                      _ratio(peer, r["graph_s"], ".2f") + ("x" if peer else ""), _ratio(lanes, r["full_roof_s"], ".1f"),
                      _ratio(r["full_roof_s"], r["graph_s"], ".0%")]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
-    lines += ["", "| model | prompt rows | attention | delta rule | ours TTFT s | ours rows/s | peer TTFT s | "
-              "matrix roofline TTFT s | ours / roofline | ours / peer |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | prompt rows | attention | delta rule | residual accumulate | ours TTFT s | ours rows/s | "
+              "peer TTFT s | matrix roofline TTFT s | ours / roofline | ours / peer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["presets"].items():
         for r in p["prefill"]:
             peer = r.get("peer_ttft_s")
-            cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), f"{r['ttft_s']:.3f}",
+            accumulate = {True: "on", False: "off"}.get(r.get("accumulate"), "-")
+            cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), accumulate, f"{r['ttft_s']:.3f}",
                      _ratio(r["rows"], r["ttft_s"], ".0f"),
                      "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
                      _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
@@ -457,7 +467,8 @@ def tables(results: dict) -> str:
                 if "profile" in r:
                     where = (f"ctx {r['ctx']} lanes {r['lanes']}" if kind == "decode"
                              else f"{r['rows']} rows, {r.get('attention', '-')} attention, "
-                                  f"{r.get('delta', '-')} delta rule")
+                                  f"{r.get('delta', '-')} delta rule, residual accumulate "
+                                  f"{ {True: 'on', False: 'off'}.get(r.get('accumulate'), '-')}")
                     parts = ", ".join(f"{k} {v['ms']:.2f} ms ({v['calls']})" for k, v in r["profile"]["kernels"].items())
                     lines.append(f"\n{name} {kind} {where} (eager, device {r['profile']['step_ms']:.2f} ms): {parts}")
     return "\n".join(lines)
@@ -515,6 +526,9 @@ def main() -> None:
     parser.add_argument("--prefill-delta", default="",
                         help="prefill delta-rule paths to time side by side, comma-separated, from mma,cuda-core "
                              "(default: the backend's choice)")
+    parser.add_argument("--residual-accumulate", default="",
+                        help="residual accumulate settings to time side by side, comma-separated, from on,off "
+                             "(default: the backend's, on unless WARMSTATE_RESIDUAL_ACCUMULATE=0)")
     args = parser.parse_args()
     changes = {"peer": not (args.no_peer or args.decode_only), "commit": args.commit}
     if args.decode_only:
@@ -537,6 +551,12 @@ def main() -> None:
         unknown = set(changes["prefill_delta"]) - {"mma", "cuda-core"}
         if unknown:
             parser.error(f"--prefill-delta: unknown paths {sorted(unknown)} (mma, cuda-core)")
+    if args.residual_accumulate:
+        settings = args.residual_accumulate.split(",")
+        unknown = set(settings) - {"on", "off"}
+        if unknown:
+            parser.error(f"--residual-accumulate: unknown settings {sorted(unknown)} (on, off)")
+        changes["residual_accumulate"] = tuple(v == "on" for v in settings)
     cfg = attrs.evolve(defaults, **changes)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_flash, attention_prep, attention_wgmma, conv, delta_chunked,
                                  delta_mma, delta_rule, device_weights, elementwise, greedy, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
-from executor.numba_cuda.device import columns, copy_of, to_device
+from executor.numba_cuda.device import IS_SIMULATOR, columns, copy_of, device_pointer, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
 from executor.numba_cuda.gemm import Gemm
 from executor.numba_cuda.gemv import gemv
@@ -65,6 +65,9 @@ PREFILL_DELTA_PATHS = ("mma", "cuda-core")
 """The prefill delta-rule paths, fastest first (NumbaCudaBackend.prefill_delta)."""
 PREFILL_DELTA_ENV = "WARMSTATE_PREFILL_DELTA"
 """Environment variable that forces one of PREFILL_DELTA_PATHS (A/B benchmarks)."""
+RESIDUAL_ACCUMULATE_ENV = "WARMSTATE_RESIDUAL_ACCUMULATE"
+"""Environment variable: "0" keeps prefill's output projections out of the residual stream
+(NumbaCudaBackend.residual_accumulate off: the A side of an A/B; the same bits either way)."""
 
 
 def _check_path_change(what: str, paths: Sequence[str], current: str | None, path: str, fixed: bool) -> None:
@@ -75,6 +78,13 @@ def _check_path_change(what: str, paths: Sequence[str], current: str | None, pat
     if fixed and path != current:
         raise ValueError(f"{what} is {current!r} and a prefill ran: states already computed would not match "
                          f"{path!r} bit for bit")
+
+
+def accumulate_aligned(x) -> bool:
+    """Whether cuBLASLt may add into x (a device array, maybe a row slice): its first element
+    at a multiple of 256 bytes, the alignment the pinned algorithms were chosen for (always
+    under the simulator, where NumPy adds)."""
+    return IS_SIMULATOR or device_pointer(x) % 256 == 0
 
 
 def _i32(values) -> object:
@@ -133,6 +143,14 @@ class NumbaCudaBackend:
         self._prefill_graphs = None
         self.prefill_graphs_off: str | None = None
         """Why `enable_prefill_graphs` left prefill eager (None when it did not, or was not asked)."""
+        self.residual_accumulate: bool = os.environ.get(RESIDUAL_ACCUMULATE_ENV, "1") != "0"
+        """Prefill's o_proj, out_proj and down_proj add their products into the fp32 residual
+        stream in cuBLASLt's epilogue (`Gemm.matmul(..., accumulate=True)`) where the shape
+        accumulates bit-exactly (`Gemm.accumulates`) and the rows are 256-byte aligned, so the
+        next norm reads x alone (6 bytes an element, not 14). The same bits on or off: the
+        epilogue's add is the norm's x += delta, checked when the shape is pinned."""
+        self.accumulate_refused: dict[tuple[int, int], str] = {}
+        """(N, K) -> why that projection shape gives its product to the norm instead (logged once)."""
 
     def enable_prefill_graphs(self, buckets: Sequence[int] | None = None, prune: bool = True) -> bool:
         """Make `prefill` replay CUDA graphs for chunks of at most max(buckets) rows
@@ -368,12 +386,13 @@ class NumbaCudaBackend:
         else:  # prefill: the chunked form, sub-chunks anchored at absolute multiples of 64
             out = delta_chunked.delta_chunked(qn, kn, v, 0, g, beta, at[1], at[0], self.pool.recurrent[li],
                                               stream=stream)
-        gated = norms.gated_rms_norm(out, columns(proj, ch, ch + vd), w["norm"], c.rms_norm_eps, stream=stream)
-        return mm(gated, w["out_proj"], stream=stream)
+        # the gated norm's output: out_proj's input (`_into_residual`)
+        return norms.gated_rms_norm(out, columns(proj, ch, ch + vd), w["norm"], c.rms_norm_eps, stream=stream)
 
     def _full_attention(self, i: int, fi: int, h, mm, positions, slots, first: int, max_pos: int, at, stream,
                         meta=None, padded: bool = False):
-        """K/V for every row; q, attention and o_proj for rows [first, rows) (None if empty)."""
+        """K/V for every row; q and attention for rows [first, rows): bf16 [rows - first, heads x
+        head_dim], o_proj's input (`_into_residual`), or None when that is empty."""
         c, w = self.config, self.w.layers[i]
         kv = mm(h, w["kv_proj"], stream=stream)
         kc, vc = self.pool.keys[fi], self.pool.values[fi]
@@ -403,7 +422,23 @@ class NumbaCudaBackend:
         else:
             out = attention.attention(q, slots, positions, max_pos, kc, vc, qg, attention.TILE_ROWS,
                                       attention.PREFILL_SPLIT_ROWS, stream=stream)
-        return mm(out, w["o_proj"], stream=stream)
+        return out
+
+    def _into_residual(self, a, weight, x, mm, stream):
+        """An output projection a @ weight.T of rows that the residual stream x (f32 [rows, hidden],
+        those rows) adds next: added into x here and None returned when `residual_accumulate`
+        is on, this is prefill (cuBLASLt) and the shape accumulates exactly; else the product
+        (f32 [rows, hidden]) for the next norm to add. The same bits either way."""
+        if not self.residual_accumulate or mm != self.gemm.matmul or not x.shape[0]:
+            return mm(a, weight, stream=stream)
+        n, k = weight.shape
+        if (n, k) not in self.accumulate_refused and not self.gemm.accumulates(n, k):
+            self.accumulate_refused[(n, k)] = str(self.gemm.pinned[(n, k)]["accumulate"])
+            log.warning("residual_accumulate_off", n=n, k=k, reason=self.accumulate_refused[(n, k)])
+        if (n, k) in self.accumulate_refused or not accumulate_aligned(x):
+            return mm(a, weight, stream=stream)
+        self.gemm.matmul(a, weight, out=x, stream=stream, accumulate=True)
+        return None
 
     def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, at, first_tail: int,
                  want_logits: bool, stream=0, meta=None, padded: bool = False):
@@ -432,25 +467,29 @@ class NumbaCudaBackend:
             h = norms.add_rms_norm(x, w["in_norm"], c.rms_norm_eps, delta=delta, stream=stream, threads=norm_threads)
             first = first_tail if i == last else 0
             if kind == FULL:
-                y = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream, meta,
+                a = self._full_attention(i, full, h, mm, positions, row_slots, first, max_pos, at, stream, meta,
                                          padded)
+                proj = "o_proj"
                 full += 1
             else:
-                y = self._linear_attention(i, lin, h, mm, row_start, lane_slots, at, stream, meta, padded)
+                a = self._linear_attention(i, lin, h, mm, row_start, lane_slots, at, stream, meta, padded)
+                proj = "out_proj"
                 lin += 1
-            if y is None:
+            if a is None:
                 return None
             if first:
                 x = x[first:]
+            y = self._into_residual(a, w[proj], x, mm, stream)
             h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y, stream=stream, threads=norm_threads)
-            delta = mm(elementwise.swiglu(mm(h, w["gate_up"], stream=stream), stream=stream), w["down"],
-                       stream=stream)
+            delta = self._into_residual(elementwise.swiglu(mm(h, w["gate_up"], stream=stream), stream=stream),
+                                        w["down"], x, mm, stream)
         if not want_logits:
             return None
         if padded:
             x, delta = elementwise.last_row(x, delta, meta, stream=stream)
         elif not decode:
-            x, delta = x[x.shape[0] - 1 :], delta[delta.shape[0] - 1 :]
+            x = x[x.shape[0] - 1 :]
+            delta = None if delta is None else delta[delta.shape[0] - 1 :]
         h = norms.add_rms_norm(x, self.w.norm, c.rms_norm_eps, delta=delta, stream=stream, threads=norm_threads)
         return gemv(h, self.w.lm_head, stream=stream)
 

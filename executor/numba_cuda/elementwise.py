@@ -136,23 +136,38 @@ def _last_row_kernel(x, delta, meta, x_out, delta_out):
         delta_out[0, i] = delta[row, i]
 
 
+@fast
+@cuda.jit
+def _last_x_row_kernel(x, meta, x_out):
+    # x: [rows, hidden] f32; meta: i32 [>= 1]; x_out: [1, hidden] f32 <- row meta[0] - 1 of x
+    i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+    if i < x.shape[1]:
+        x_out[0, i] = x[meta[0] - 1, i]
+
+
 def last_row(x, delta, meta, stream=0):
     """(x[n - 1 : n], delta[n - 1 : n]) as new f32 [1, hidden] arrays, n = meta[0] read on
     the device: the logits row of a prefill whose row count the host does not fix (a
     captured step padded to its bucket, graphs.PrefillGraphs). An exact copy, so the norm
     and LM head after it give the bits of the host slice.
 
-    x, delta: f32 device [rows, hidden], inner-contiguous; meta: i32 device [>= 1] with
+    x: f32 device [rows, hidden], inner-contiguous; delta: the same, or None (the last
+    projection was added into x: the second result is None); meta: i32 device [>= 1] with
     1 <= meta[0] <= rows (not checked: it lives on the device). Raises ValueError naming
     the argument on a wrong dtype, rank or shape.
     """
     check("x", x, np.float32, 2)
-    check("delta", delta, np.float32, 2)
     check("meta", meta, np.int32, 1)
-    if tuple(delta.shape) != tuple(x.shape) or not x.shape[0]:
-        raise ValueError(f"delta {delta.shape} must equal x {x.shape}, with rows")
+    if not x.shape[0]:
+        raise ValueError(f"x {x.shape} has no rows")
     hidden = x.shape[1]
     x_out = empty((1, hidden), np.float32, stream)
+    if delta is None:
+        _last_x_row_kernel[blocks(hidden), THREADS, stream](x, meta, x_out)
+        return x_out, None
+    check("delta", delta, np.float32, 2)
+    if tuple(delta.shape) != tuple(x.shape):
+        raise ValueError(f"delta {delta.shape} must equal x {x.shape}, with rows")
     delta_out = empty((1, hidden), np.float32, stream)
     _last_row_kernel[blocks(hidden), THREADS, stream](x, delta, meta, x_out, delta_out)
     return x_out, delta_out

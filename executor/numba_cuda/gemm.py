@@ -20,13 +20,21 @@ are the reference algorithm's at every M, so chunk invariance holds (a K-reducti
 that matches at one M matches at all: the order depends on the K tiling, not on M; the probes
 check it, and the GPU chunk-invariance tests check the whole forward). Twin: ops.linear.
 Under the CUDA simulator (no cuBLAS) `matmul` multiplies the host copies in NumPy.
+
+Accumulate (`matmul(..., accumulate=True)`): out += x @ w.T through cuBLASLt's epilogue,
+D = alpha (A B) + beta C with alpha = beta = 1 and C = D = out, so a projection writes into the
+residual stream and the norm after it reads 6 bytes an element, not 14 (bench/RESULTS.md,
+session 31). The epilogue gives fma(1, acc, 1 * c) = round(acc + c), the bits of the separate
+fp32 add (`norms.add_rms_norm`'s x += delta) when it adds in fp32 after the same accumulation;
+`pin` checks that, for the reference algorithm and every bucket's, on random values and values
+that cancel, and `accumulates(n, k)` says whether it held (None of this is assumed).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from executor.numba_cuda.device import IS_SIMULATOR, check_product, copy_of, device_pointer, empty, to_device
+from executor.numba_cuda.device import IS_SIMULATOR, check, check_product, copy_of, device_pointer, empty, to_device
 from executor.safetensors_file import bf16_to_f32
 
 if not IS_SIMULATOR:
@@ -73,6 +81,9 @@ on one L2-resident weight, the 27B kv_proj (21 MB) bucket of 17-64 rows chose an
 that takes 61 us from device memory against the reference's 51 (bench/RESULTS.md,
 session 16)."""
 TIMING_MAX_COPIES = 16
+ACCUMULATE_PROBE_ROWS = (1, 51, REFERENCE_ROWS)
+"""Row counts (besides each bucket's top M) at which `pin` checks that an accumulating product
+equals out + the product, bit for bit."""
 
 
 def _ptr(array) -> int:
@@ -142,6 +153,8 @@ class Gemm:
         self.pinned: dict[tuple[int, int], dict] = {}
         self.refused: dict[tuple[int, int, int], str] = {}
         """(M, N, K) -> why its bucket's algorithm refused that M (the reference runs it since)."""
+        self._accumulate: dict[tuple[int, int], str] = {}
+        """(N, K) -> "" when every algorithm of the shape accumulates bit-exactly, else why not."""
         if IS_SIMULATOR:
             return
         if lt is None:
@@ -153,6 +166,7 @@ class Gemm:
         _set(lt.matmul_desc_set_attribute, self._desc, 4, OP_N, np.int32)  # TRANSB
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
+        self._beta_one = np.ones(1, np.float32)
         self._layouts: dict[tuple[int, int, int], tuple[int, int, int]] = {}
         self._algos: dict[tuple[int, int], np.ndarray] = {}
         self._buckets: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
@@ -198,13 +212,14 @@ class Gemm:
                     out.append(algo)
         return out
 
-    def _run(self, algo: np.ndarray, x, w, out, stream=0) -> None:
+    def _run(self, algo: np.ndarray, x, w, out, stream=0, accumulate: bool = False) -> None:
         m, k = x.shape
         n = w.shape[0]
         a, b, d = self._layout(m, n, k)
+        beta = self._beta_one if accumulate else self._beta
         lt.matmul(
             self._handle, self._desc, self._alpha.ctypes.data, _ptr(w), a, _ptr(x), b,
-            self._beta.ctypes.data, _ptr(out), d, _ptr(out), d, algo.ctypes.data,
+            beta.ctypes.data, _ptr(out), d, _ptr(out), d, algo.ctypes.data,
             _ptr(self._workspace), WORKSPACE_BYTES, _stream_ptr(stream),
         )
 
@@ -239,6 +254,8 @@ class Gemm:
                 self.pinned[key] = {"candidate": index, "algo_id": int(algo[0] & 0xFFFFFFFF), "tried": tried}
                 self._buckets[key] = self._bucket_algos(algo, x, w)
                 self._algos[key] = algo
+                self._accumulate[key] = self._accumulate_failure(key, x, w, rng)
+                self.pinned[key]["accumulate"] = self._accumulate[key] or "bit-equal"
                 return algo
         raise RuntimeError(f"no row-invariant cuBLASLt algorithm for N={n}, K={k}: {tried}")
 
@@ -299,6 +316,45 @@ class Gemm:
         self.pinned[(n, k)]["buckets"] = report
         return chosen
 
+    def _accumulate_failure(self, key: tuple[int, int], x, w, rng) -> str:
+        """The empty string when every algorithm of (N, K) (the reference and each bucket's) gives, with
+        beta = 1, out + its product bit for bit (numpy's fp32 add) at ACCUMULATE_PROBE_ROWS and
+        each bucket's top M; else why not. out holds normals over 24 binary orders, with every
+        fifth element the product's negation (an exact zero) and every seventh its half."""
+        host_x = x.copy_to_host()
+        n = w.shape[0]
+        algos = [(m, self._algos[key]) for m in ACCUMULATE_PROBE_ROWS]
+        algos += [(hi, algo) for hi, algo in self._buckets[key]]
+        for m, algo in algos:
+            xm = to_device(host_x[:m])
+            product = empty((m, n), np.float32)
+            try:
+                self._run(algo, xm, w, product)
+                p = product.copy_to_host()
+                c = (rng.standard_normal((m, n)) * np.exp2(rng.integers(-12, 12, (m, n)))).astype(np.float32)
+                flat_c, flat_p = c.reshape(-1), p.reshape(-1)
+                flat_c[::5] = -flat_p[::5]
+                flat_c[3::7] = flat_p[3::7] * np.float32(0.5)
+                out = to_device(c)
+                self._run(algo, xm, w, out, accumulate=True)
+                got = out.copy_to_host()
+            except Exception as exc:  # noqa: BLE001 - an algorithm that refuses beta = 1: no accumulate
+                return f"algo {int(algo[0] & 0xFFFFFFFF)} at M={m}: {exc!r}"
+            expected = c + p
+            if not np.array_equal(got.view(np.uint32), expected.view(np.uint32)):
+                bad = int(np.count_nonzero(got.view(np.uint32) != expected.view(np.uint32)))
+                return f"algo {int(algo[0] & 0xFFFFFFFF)} at M={m}: {bad} of {got.size} elements differ"
+        return ""
+
+    def accumulates(self, n: int, k: int) -> bool:
+        """Whether `matmul(..., accumulate=True)` may run shape (N, K): True under the simulator
+        (NumPy adds in fp32), else when `pin`'s check found every algorithm of the shape
+        bit-equal to out + its product (`pinned[(n, k)]["accumulate"]` says why not)."""
+        if IS_SIMULATOR:
+            return True
+        self.pin(n, k)
+        return not self._accumulate[(n, k)]
+
     def algo_for(self, m: int, n: int, k: int) -> np.ndarray:
         """The algorithm that runs an [m, K] x [N, K]^T product (pinning (N, K) on first use):
         its bucket's, or the reference for M past the buckets or an M its bucket's refused."""
@@ -310,23 +366,39 @@ class Gemm:
                 return algo
         return reference
 
-    def matmul(self, x, w, out=None, stream=0):
-        """out = x @ w.T (fp32) with the pinned algorithm of (N, K).
+    def matmul(self, x, w, out=None, stream=0, accumulate: bool = False):
+        """out = x @ w.T (fp32) with the pinned algorithm of (N, K); with accumulate,
+        out += x @ w.T, the bits of out + the product in fp32 (see the module docstring).
 
-        x: uint16 (bf16) device [M, K]; w: uint16 (bf16) [N, K]; returns f32 [M, N].
+        x: uint16 (bf16) device [M, K]; w: uint16 (bf16) [N, K]; out: None or f32 [M, N]
+        (C-contiguous, 256-byte aligned when accumulating: cuBLASLt's default alignment);
+        returns out. Raises ValueError naming `out` when accumulate has no out, a wrong one,
+        or a shape that `accumulates` refused.
         """
         m, n, k = check_product(x, w)
+        if accumulate:
+            if out is None:
+                raise ValueError("accumulate needs out, the f32 [M, N] array to add into")
+            check("out", out, np.float32, 2)
+            if tuple(out.shape) != (m, n) or not out.is_c_contiguous():
+                raise ValueError(f"out {out.shape} must be a C-contiguous [{m}, {n}] to accumulate into")
+            if not IS_SIMULATOR and m and device_pointer(out) % 256:
+                raise ValueError("out must be 256-byte aligned to accumulate into")
+            if not self.accumulates(n, k):
+                raise ValueError(f"out: shape (N={n}, K={k}) does not accumulate exactly: "
+                                 f"{self.pinned[(n, k)]['accumulate']}")
         out = empty((m, n), np.float32, stream) if out is None else out
         if m and IS_SIMULATOR:  # the CUDA simulator has no cuBLAS: NumPy on the host copies
             xs, ws = bf16_to_f32(x.copy_to_host()), bf16_to_f32(w.copy_to_host())
-            out.copy_to_device((xs.astype(np.float64) @ ws.T.astype(np.float64)).astype(np.float32))
+            product = (xs.astype(np.float64) @ ws.T.astype(np.float64)).astype(np.float32)
+            out.copy_to_device(out.copy_to_host() + product if accumulate else product)
         elif m:
             algo = self.algo_for(m, n, k)
             try:
-                self._run(algo, x, w, out, stream)
+                self._run(algo, x, w, out, stream, accumulate)
             except Exception as exc:  # a bucket's algorithm that refuses an M its probes missed
                 if algo is self._algos[(n, k)]:
                     raise
                 self.refused[(m, n, k)] = repr(exc)  # the reference gives the same bits at every M
-                self._run(self._algos[(n, k)], x, w, out, stream)
+                self._run(self._algos[(n, k)], x, w, out, stream, accumulate)
         return out

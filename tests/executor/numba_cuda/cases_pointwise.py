@@ -309,6 +309,10 @@ def test_last_row_reads_its_row_on_the_device(n):
         x1, d1 = elementwise.last_row(to_device(x), to_device(delta), to_device(np.asarray([n, 9, 9], np.int32)))
     np.testing.assert_array_equal(host(x1), x[n - 1 : n])
     np.testing.assert_array_equal(host(d1), delta[n - 1 : n])
+    with poisoned():  # the last projection was added into x: x's row alone
+        x2, d2 = elementwise.last_row(to_device(x), None, to_device(np.asarray([n, 9, 9], np.int32)))
+    np.testing.assert_array_equal(host(x2), x[n - 1 : n])
+    assert d2 is None
 
 
 def test_last_row_rejects_mismatched_shapes():

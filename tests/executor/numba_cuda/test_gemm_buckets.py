@@ -89,11 +89,11 @@ def test_a_bucket_algorithm_that_refuses_a_row_count_falls_back_to_the_reference
     gemm._buckets = {(4, 3): [(16, bucket), (64, bucket)]}
     ran = []
 
-    def run(algo, x, w, out, stream=0):
+    def run(algo, x, w, out, stream=0, accumulate=False):
         m = x.shape[0]
         if (algo is bucket and m == 5) or (algo is reference and m == 7):
             raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
-        ran.append((m, "reference" if algo is reference else "bucket"))
+        ran.append((m, "reference" if algo is reference else "bucket") + (("accumulate",) if accumulate else ()))
 
     gemm._run = run
     w = np.zeros((4, 3), np.uint16)
@@ -101,6 +101,15 @@ def test_a_bucket_algorithm_that_refuses_a_row_count_falls_back_to_the_reference
         gemm.matmul(np.zeros((m, 3), np.uint16), w, np.zeros((m, 4), np.float32))
     assert ran == [(5, "reference"), (5, "reference"), (6, "bucket")]
     assert list(gemm.refused) == [(5, 4, 3)] and "NOT_SUPPORTED" in gemm.refused[(5, 4, 3)]
+    # an accumulating product falls back the same way, still accumulating
+    gemm.accumulates = lambda n, k: True
+    monkeypatch.setattr(gemm_module, "device_pointer", lambda array: 0)
+    monkeypatch.setattr(gemm_module, "check", lambda *args, **kwargs: None)
+    ran.clear()
+    for m in (5, 6):
+        dev_out = type("Out", (), {"shape": (m, 4), "is_c_contiguous": lambda self: True})()
+        gemm.matmul(np.zeros((m, 3), np.uint16), w, dev_out, accumulate=True)
+    assert ran == [(5, "reference", "accumulate"), (6, "bucket", "accumulate")]
     gemm._buckets[(4, 3)] = []  # no buckets: the reference runs M = 7, and refuses it
     with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
         gemm.matmul(np.zeros((7, 3), np.uint16), w, np.zeros((7, 4), np.float32))

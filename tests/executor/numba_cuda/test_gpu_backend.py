@@ -362,6 +362,34 @@ def test_tail_catches_a_planted_break(models, monkeypatch):
     assert not _same(full, _chunked(gpu, ids, [0, 300], tail_from=172))
 
 
+def test_residual_accumulate_gives_the_separate_add_s_bits(models, monkeypatch):
+    """Prefill's projections added into the residual stream by cuBLASLt's epilogue
+    (`residual_accumulate`, on by default) give the last-row logits and every state byte of the
+    product handed to the norm, over chunks, a tail from an off-grid row and one chunk of 16
+    rows (a bucket's algorithm); every projection shape accumulated and none was refused."""
+    _, gpu = models
+    ids = _prompt(gpu.config, 300, 9)
+    calls = []
+    real = gpu.gemm.matmul
+
+    def counted(*args, accumulate=False, **kwargs):
+        calls.append(accumulate)
+        return real(*args, accumulate=accumulate, **kwargs)
+
+    plans = ([0, 300], [0, 64, 80, 300], [0, 256, 300])
+    assert gpu.residual_accumulate
+    monkeypatch.setattr(gpu.gemm, "matmul", counted)
+    tails = [(cuts, tail) for cuts in plans for tail in (None, (cuts[-2] + cuts[-1]) // 2 + 1)]
+    on = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
+    assert gpu.accumulate_refused == {} and calls.count(True) >= 3 * len(gpu.config.layer_types)
+    monkeypatch.setattr(gpu, "residual_accumulate", False)
+    calls.clear()
+    off = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
+    assert True not in calls
+    for a, b in zip(on, off):
+        assert _same(a, b)
+
+
 def _resumed_matches_fresh(gpu, ids, cut, steps=4):
     fresh = gpu.new_state()
     gpu.prefill(fresh, ids, (0, cut), want_logits=False)
