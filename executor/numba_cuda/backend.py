@@ -148,7 +148,9 @@ class NumbaCudaBackend:
         stream in cuBLASLt's epilogue (`Gemm.matmul(..., accumulate=True)`) where the shape
         accumulates bit-exactly (`Gemm.accumulates`) and the rows are 256-byte aligned, so the
         next norm reads x alone (6 bytes an element, not 14). The same bits on or off: the
-        epilogue's add is the norm's x += delta, checked when the shape is pinned."""
+        epilogue's add is the norm's x += delta, checked on a shape's first use
+        (`Gemm.accumulates`). Read at launch time: prefill graphs keep the setting they were
+        captured with (`enable_prefill_graphs` again to change it there)."""
         self.accumulate_refused: dict[tuple[int, int], str] = {}
         """(N, K) -> why that projection shape gives its product to the norm instead (logged once)."""
 
@@ -427,8 +429,9 @@ class NumbaCudaBackend:
     def _into_residual(self, a, weight, x, mm, stream):
         """An output projection a @ weight.T of rows that the residual stream x (f32 [rows, hidden],
         those rows) adds next: added into x here and None returned when `residual_accumulate`
-        is on, this is prefill (cuBLASLt) and the shape accumulates exactly; else the product
-        (f32 [rows, hidden]) for the next norm to add. The same bits either way."""
+        is on, this is prefill (cuBLASLt), the shape accumulates exactly and x starts on a
+        256-byte boundary (`accumulate_aligned`); else the product (f32 [rows, hidden]) for the
+        next norm to add. The same bits either way."""
         if not self.residual_accumulate or mm != self.gemm.matmul or not x.shape[0]:
             return mm(a, weight, stream=stream)
         n, k = weight.shape

@@ -23,11 +23,12 @@ Under the CUDA simulator (no cuBLAS) `matmul` multiplies the host copies in NumP
 
 Accumulate (`matmul(..., accumulate=True)`): out += x @ w.T through cuBLASLt's epilogue,
 D = alpha (A B) + beta C with alpha = beta = 1 and C = D = out, so a projection writes into the
-residual stream and the norm after it reads 6 bytes an element, not 14 (bench/RESULTS.md,
-session 31). The epilogue gives fma(1, acc, 1 * c) = round(acc + c), the bits of the separate
-fp32 add (`norms.add_rms_norm`'s x += delta) when it adds in fp32 after the same accumulation;
-`pin` checks that, for the reference algorithm and every bucket's, on random values and values
-that cancel, and `accumulates(n, k)` says whether it held (None of this is assumed).
+residual stream: the norm after it reads 6 bytes an element, not 14, and the GEMM reads C
+(4 more), so ~18 -> ~14 bytes an element in all (bench/RESULTS.md, session 31). The epilogue
+should give fma(1, acc, 1 * c) = round(acc + c), the bits of the separate fp32 add
+(`norms.add_rms_norm`'s x += delta); cuBLAS does not document its rounding, so
+`accumulates(n, k)` checks it on first use of a shape, for the reference algorithm and each
+bucket's at their probe row counts, on random values and values that cancel.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ that takes 61 us from device memory against the reference's 51 (bench/RESULTS.md
 session 16)."""
 TIMING_MAX_COPIES = 16
 ACCUMULATE_PROBE_ROWS = (1, 51, REFERENCE_ROWS)
-"""Row counts (besides each bucket's top M) at which `pin` checks that an accumulating product
-equals out + the product, bit for bit."""
+"""Row counts at which `accumulates` checks that the reference algorithm's accumulating product
+equals out + the product, bit for bit (each bucket's algorithm is checked at its own probe rows)."""
 
 
 def _ptr(array) -> int:
@@ -142,11 +143,24 @@ def without_split_k(results: np.ndarray, count: int) -> list[np.ndarray]:
     return out
 
 
+def refused_before_launch(exc: BaseException) -> bool:
+    """Whether a cuBLASLt error is a configuration refusal (CUBLAS_STATUS_NOT_SUPPORTED or
+    INVALID_VALUE: nothing ran) rather than one that may come after a launch
+    (EXECUTION_FAILED and the rest), judged by the status name in the error's text."""
+    text = repr(exc)
+    return "NOT_SUPPORTED" in text or "INVALID_VALUE" in text
+
+
 class Gemm:
     """cuBLASLt handle, workspace and pinned algorithms of one device.
 
     `matmul(x, w)` computes x @ w.T for bf16 (uint16) device arrays x [M, K], w [N, K]
-    (both C-contiguous, 256-byte aligned: fresh allocations) into a new fp32 [M, N].
+    (both C-contiguous, 256-byte aligned: fresh allocations) into a new fp32 [M, N], or
+    into (or, accumulating, onto) a given `out`.
+
+    Accumulating relies on no algorithm splitting K: with C == D an in-place split-K
+    reduction would read C after a split wrote it. `_candidates` asks for no reduction scheme
+    and `without_split_k` drops split-K algorithms; the accumulate check would refuse one too.
     """
 
     def __init__(self) -> None:
@@ -254,8 +268,6 @@ class Gemm:
                 self.pinned[key] = {"candidate": index, "algo_id": int(algo[0] & 0xFFFFFFFF), "tried": tried}
                 self._buckets[key] = self._bucket_algos(algo, x, w)
                 self._algos[key] = algo
-                self._accumulate[key] = self._accumulate_failure(key, x, w, rng)
-                self.pinned[key]["accumulate"] = self._accumulate[key] or "bit-equal"
                 return algo
         raise RuntimeError(f"no row-invariant cuBLASLt algorithm for N={n}, K={k}: {tried}")
 
@@ -316,22 +328,32 @@ class Gemm:
         self.pinned[(n, k)]["buckets"] = report
         return chosen
 
-    def _accumulate_failure(self, key: tuple[int, int], x, w, rng) -> str:
-        """The empty string when every algorithm of (N, K) (the reference and each bucket's) gives, with
-        beta = 1, out + its product bit for bit (numpy's fp32 add) at ACCUMULATE_PROBE_ROWS and
-        each bucket's top M; else why not. out holds normals over 24 binary orders, with every
-        fifth element the product's negation (an exact zero) and every seventh its half."""
-        host_x = x.copy_to_host()
-        n = w.shape[0]
-        algos = [(m, self._algos[key]) for m in ACCUMULATE_PROBE_ROWS]
-        algos += [(hi, algo) for hi, algo in self._buckets[key]]
-        for m, algo in algos:
-            xm = to_device(host_x[:m])
-            product = empty((m, n), np.float32)
+    def _accumulate_failure(self, key: tuple[int, int], seed: int = 0) -> str:
+        """The empty string when every algorithm that runs (N, K) (the reference at
+        ACCUMULATE_PROBE_ROWS, each bucket's at its range's probe row counts lo, lo + 1, middle,
+        hi - 1, hi) gives, with beta = 1, out + its product bit for bit (numpy's fp32 add);
+        else why not, or why the check could not run (a failed allocation or launch). Random
+        bf16 x [M, K] and w; out holds normals over 24 binary orders, with every fifth element
+        the product's negation (an exact +0: a sign-flipped epilogue gives -0) and every
+        seventh its half. Needs (N, K) pinned."""
+        n, k = key
+        rng = np.random.default_rng(seed)
+        bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+        runs = [(m, self._algos[key]) for m in ACCUMULATE_PROBE_ROWS]
+        for (lo, hi), (_, algo) in zip(BUCKETS, self._buckets[key]):
+            runs += [(m, algo) for m in sorted({lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi}) if lo <= m <= hi]
+        try:
+            w = to_device(bits((n, k)))
+            host_x = bits((max(m for m, _ in runs), k))
+        except Exception as exc:  # noqa: BLE001 - no memory for the check: no accumulate
+            return f"the check could not run: {exc!r}"
+        for m, algo in runs:
             try:
+                xm = to_device(host_x[:m])
+                product = empty((m, n), np.float32)
                 self._run(algo, xm, w, product)
                 p = product.copy_to_host()
-                c = (rng.standard_normal((m, n)) * np.exp2(rng.integers(-12, 12, (m, n)))).astype(np.float32)
+                c = rng.standard_normal((m, n), np.float32) * np.exp2(rng.integers(-12, 12, (m, n)).astype(np.float32))
                 flat_c, flat_p = c.reshape(-1), p.reshape(-1)
                 flat_c[::5] = -flat_p[::5]
                 flat_c[3::7] = flat_p[3::7] * np.float32(0.5)
@@ -348,12 +370,18 @@ class Gemm:
 
     def accumulates(self, n: int, k: int) -> bool:
         """Whether `matmul(..., accumulate=True)` may run shape (N, K): True under the simulator
-        (NumPy adds in fp32), else when `pin`'s check found every algorithm of the shape
-        bit-equal to out + its product (`pinned[(n, k)]["accumulate"]` says why not)."""
+        (NumPy adds in fp32), else when `_accumulate_failure` found every algorithm of the shape
+        bit-equal to out + its product. Pins (N, K) and runs that check on first call for the
+        shape (only the output projections ask: the other shapes never pay for it);
+        `pinned[(n, k)]["accumulate"]` says "bit-equal" or why not."""
         if IS_SIMULATOR:
             return True
-        self.pin(n, k)
-        return not self._accumulate[(n, k)]
+        key = (n, k)
+        if key not in self._accumulate:
+            self.pin(n, k)
+            self._accumulate[key] = self._accumulate_failure(key)
+            self.pinned[key]["accumulate"] = self._accumulate[key] or "bit-equal"
+        return not self._accumulate[key]
 
     def algo_for(self, m: int, n: int, k: int) -> np.ndarray:
         """The algorithm that runs an [m, K] x [N, K]^T product (pinning (N, K) on first use):
@@ -397,7 +425,8 @@ class Gemm:
             try:
                 self._run(algo, x, w, out, stream, accumulate)
             except Exception as exc:  # a bucket's algorithm that refuses an M its probes missed
-                if algo is self._algos[(n, k)]:
+                # accumulating, out is C too: only a refusal before any launch may run again
+                if algo is self._algos[(n, k)] or (accumulate and not refused_before_launch(exc)):
                     raise
                 self.refused[(m, n, k)] = repr(exc)  # the reference gives the same bits at every M
                 self._run(self._algos[(n, k)], x, w, out, stream, accumulate)

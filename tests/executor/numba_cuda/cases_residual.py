@@ -55,7 +55,9 @@ def test_accumulate_refuses_a_missing_or_wrong_out():
 
 def _fake_gemm(plant: str | None) -> Gemm:
     """A Gemm whose algorithms are NumPy products; `plant` breaks the accumulating one: "ulp"
-    moves one element by one unit in the last place, "raise" refuses beta = 1."""
+    moves one element by one unit in the last place at M = 64, "lo" does so at M = 17 only (the
+    bucket's lowest row count), "sign" computes -((-p) - c) (c + p but for an exact
+    cancellation, -0 for +0), "raise" refuses beta = 1."""
     gemm = Gemm.__new__(Gemm)
     gemm.pinned, gemm.refused, gemm._accumulate = {(16, 32): {}}, {}, {}
     reference, bucket = np.zeros(8, np.uint64), np.ones(8, np.uint64)
@@ -71,8 +73,8 @@ def _fake_gemm(plant: str | None) -> Gemm:
             return
         if plant == "raise" and algo is bucket:
             raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
-        got = host(out) + p
-        if plant == "ulp" and algo is bucket and x.shape[0] == 64:
+        got = -((-p) - host(out)) if plant == "sign" else host(out) + p
+        if (plant == "ulp" and algo is bucket and x.shape[0] == 64) or (plant == "lo" and x.shape[0] == 17):
             got.reshape(-1)[7] = np.nextafter(got.reshape(-1)[7], np.float32(np.inf))
         out.copy_to_device(got)
 
@@ -81,16 +83,37 @@ def _fake_gemm(plant: str | None) -> Gemm:
 
 
 @pytest.mark.parametrize(("plant", "why"), [(None, ""), ("ulp", "at M=64: 1 of 1024 elements differ"),
-                                            ("raise", "at M=16: RuntimeError")])
-def test_pin_checks_every_algorithm_accumulates_exactly(plant, why):
+                                            ("lo", "at M=17: 1 of 272 elements differ"), ("sign", "elements differ"),
+                                            ("raise", "at M=1: RuntimeError")])
+def test_the_accumulate_check_runs_every_algorithm_at_its_probe_rows(plant, why):
     """`_accumulate_failure` runs the reference at ACCUMULATE_PROBE_ROWS and each bucket's
-    algorithm at its top M, and names the first that gives other bits or refuses beta = 1."""
-    r = rng()
+    algorithm at its range's probe rows, and names the first that gives other bits (one ulp
+    at one M, or -0 for an exact cancellation) or refuses beta = 1; `accumulates` keeps the
+    verdict and says it in `pinned`."""
     gemm = _fake_gemm(plant)
-    x = to_device(_bf16(r, (gemm_module.REFERENCE_ROWS, 32)))
-    w = to_device(_bf16(r, (16, 32)))
-    got = gemm._accumulate_failure((16, 32), x, w, np.random.default_rng(1))
+    got = gemm._accumulate_failure((16, 32), seed=1)
     assert (got == "") if not why else (why in got), got
+    gemm.pin = lambda n, k: gemm._algos[(n, k)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gemm_module, "IS_SIMULATOR", False)
+        assert gemm.accumulates(16, 32) is (not why)
+        assert gemm.pinned[(16, 32)]["accumulate"] == (got or "bit-equal")
+        gemm._accumulate_failure = None  # asked once a shape
+        assert gemm.accumulates(16, 32) is (not why)
+
+
+def test_matmul_refuses_to_accumulate_a_shape_the_check_refused():
+    gemm = _fake_gemm("ulp")
+    x, w = to_device(np.zeros((4, 32), np.uint16)), to_device(np.zeros((16, 32), np.uint16))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gemm_module, "IS_SIMULATOR", False)
+        patch.setattr(gemm_module, "device_pointer", lambda array: 512)
+        gemm.pin = lambda n, k: gemm._algos[(n, k)]
+        with pytest.raises(ValueError, match="does not accumulate exactly: algo 1 at M=64"):
+            gemm.matmul(x, w, out=empty((4, 16), np.float32), accumulate=True)
+        patch.setattr(gemm_module, "device_pointer", lambda array: 512 + 16)
+        with pytest.raises(ValueError, match="256-byte aligned"):
+            gemm.matmul(x, w, out=empty((4, 16), np.float32), accumulate=True)
 
 
 class _Gemm:
@@ -147,3 +170,97 @@ def test_into_residual_adds_in_prefill_and_hands_the_product_on_otherwise():
         stub.gemm.matmul = lambda a, weight, out=None, stream=0, accumulate=False: ("alone", accumulate)
         assert stub._into_residual(a, weight, x, stub.gemm.matmul, 0) == ("alone", False)
     assert product == [3]
+
+
+def test_forward_adds_each_projection_once_into_its_rows(monkeypatch, tmp_path):
+    """`_forward`'s data flow with accumulate on, off, and on with down_proj's shape refused
+    (the mixed path): the same last-row logits over a whole chunk, chunks with a tail, and a
+    one-row tail. Attention, the norms, SwiGLU and the GEMV are NumPy stand-ins here (the
+    real kernels are slow under the simulator; test_gpu_backend.py runs them on a GPU); the
+    residual adds are fp32 either way, so a projection added twice, never, into the wrong
+    rows, or a last row taken from the wrong array moves the logits."""
+    from executor.model import random_checkpoint
+    from executor.numba_cuda import backend as backend_module
+    from executor.numba_cuda.backend import NumbaCudaBackend
+    from executor.safetensors_file import bf16_to_f32
+    from executor.weights import load_weights
+    from tests.executor.qwen_support import small_config
+
+    def bf16(a):
+        return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    def linear(self, i, li, h, mm, *args, **kwargs):
+        return to_device(np.ascontiguousarray(host(h)[:, : self.config.linear_value_dim]))
+
+    def full(self, i, fi, h, mm, positions, slots, first, *args, **kwargs):
+        if first == h.shape[0]:
+            return None
+        rows = host(h)[first:]
+        width = self.config.num_attention_heads * self.config.head_dim
+        return to_device(np.ascontiguousarray(np.tile(rows, -(-width // rows.shape[1]))[:, :width]))
+
+    def add_rms_norm(x, weight, eps, delta=None, out=None, stream=0, threads=0, **kwargs):
+        xs = host(x)
+        if delta is not None:
+            assert tuple(delta.shape) == tuple(x.shape), (delta.shape, x.shape)
+            xs = xs + host(delta)
+            x.copy_to_device(xs)
+        return to_device(bf16(xs / np.sqrt((xs * xs).mean(axis=1, keepdims=True) + np.float32(eps)) * host(weight)))
+
+    def swiglu(gate_up, stream=0, **kwargs):
+        g = host(gate_up)
+        n = g.shape[1] // 2
+        return to_device(bf16(g[:, :n] / (1 + np.exp(-g[:, :n])) * g[:, n:]))
+
+    def gemv(h, w, stream=0, **kwargs):
+        product = bf16_to_f32(host(h)).astype(np.float64) @ bf16_to_f32(host(w)).T.astype(np.float64)
+        return to_device(product.astype(np.float32))
+
+    monkeypatch.setattr(NumbaCudaBackend, "_linear_attention", linear)
+    monkeypatch.setattr(NumbaCudaBackend, "_full_attention", full)
+    monkeypatch.setattr(backend_module.norms, "add_rms_norm", add_rms_norm)
+    monkeypatch.setattr(backend_module.elementwise, "swiglu", swiglu)
+    monkeypatch.setattr(backend_module, "gemv", gemv)
+    config = small_config()
+    backend = NumbaCudaBackend(load_weights(random_checkpoint(config, seed=3, out_dir=tmp_path)), slots=2,
+                               capacity_rows=64)
+    ids = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 12)]
+    calls = []
+    real = backend.gemm.matmul
+
+    def counted(*args, accumulate=False, **kwargs):
+        calls.append(accumulate)
+        return real(*args, accumulate=accumulate, **kwargs)
+
+    backend.gemm.matmul = counted
+
+    def run(cuts, tail=None):
+        state, logits = backend.new_state(), None
+        for a, b in zip(cuts, cuts[1:]):
+            last = b == cuts[-1]
+            logits = backend.prefill(state, ids, (a, b), want_logits=last, tail_from=tail if last else None)
+        backend.release(state)
+        return np.array(logits)
+
+    plans = (([0, 12], None), ([0, 5, 12], 9), ([0, 12], 11))
+    backend.residual_accumulate = False
+    off = [run(cuts, tail) for cuts, tail in plans]
+    assert True not in calls
+    backend.residual_accumulate = True
+    on = [run(cuts, tail) for cuts, tail in plans]
+    assert calls.count(True) >= 2 * len(config.layer_types)
+    n, k = backend.w.layers[0]["down"].shape
+    backend.accumulate_refused[(n, k)] = "planted"
+    mixed = [run(cuts, tail) for cuts, tail in plans]
+    for a, b, c in zip(off, on, mixed):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        np.testing.assert_array_equal(a.view(np.uint32), c.view(np.uint32))
+
+
+def test_accumulate_aligned_wants_a_256_byte_boundary(monkeypatch):
+    from executor.numba_cuda import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "IS_SIMULATOR", False)
+    for address, aligned in ((0, True), (256, True), (4096 + 256, True), (16, False), (256 + 128, False)):
+        monkeypatch.setattr(backend_module, "device_pointer", lambda array, address=address: address)
+        assert backend_module.accumulate_aligned(object()) is aligned, address

@@ -101,15 +101,32 @@ def test_a_bucket_algorithm_that_refuses_a_row_count_falls_back_to_the_reference
         gemm.matmul(np.zeros((m, 3), np.uint16), w, np.zeros((m, 4), np.float32))
     assert ran == [(5, "reference"), (5, "reference"), (6, "bucket")]
     assert list(gemm.refused) == [(5, 4, 3)] and "NOT_SUPPORTED" in gemm.refused[(5, 4, 3)]
-    # an accumulating product falls back the same way, still accumulating
+    # an accumulating product falls back the same way, still accumulating, when the bucket's
+    # algorithm refused before any launch (NOT_SUPPORTED); after a possible launch it raises
     gemm.accumulates = lambda n, k: True
     monkeypatch.setattr(gemm_module, "device_pointer", lambda array: 0)
     monkeypatch.setattr(gemm_module, "check", lambda *args, **kwargs: None)
+    gemm.refused.clear()
     ran.clear()
     for m in (5, 6):
         dev_out = type("Out", (), {"shape": (m, 4), "is_c_contiguous": lambda self: True})()
         gemm.matmul(np.zeros((m, 3), np.uint16), w, dev_out, accumulate=True)
     assert ran == [(5, "reference", "accumulate"), (6, "bucket", "accumulate")]
+    assert list(gemm.refused) == [(5, 4, 3)]
+
+    def failed_after_launch(algo, x, w, out, stream=0, accumulate=False):
+        if algo is bucket:
+            raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+        ran.append((x.shape[0], "reference"))
+
+    gemm._run = failed_after_launch
+    dev_out = type("Out", (), {"shape": (9, 4), "is_c_contiguous": lambda self: True})()
+    with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):  # out may hold a partial sum: no second add
+        gemm.matmul(np.zeros((9, 3), np.uint16), w, dev_out, accumulate=True)
+    assert (9, 4, 3) not in gemm.refused
+    gemm.matmul(np.zeros((9, 3), np.uint16), w, np.zeros((9, 4), np.float32))  # not accumulating: falls back
+    assert (9, 4, 3) in gemm.refused
+    gemm._run = run
     gemm._buckets[(4, 3)] = []  # no buckets: the reference runs M = 7, and refuses it
     with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
         gemm.matmul(np.zeros((7, 3), np.uint16), w, np.zeros((7, 4), np.float32))
