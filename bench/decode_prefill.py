@@ -398,7 +398,7 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
                     r["attention"], r["delta"], r["accumulate"] = path, delta, accumulate
                     result["prefill"].append(r)
                     log(f"{name} prefill {rows} ({path} attention, {delta} delta rule, residual accumulate "
-                        f"{'on' if accumulate else 'off'}): TTFT {r['ttft_s']:.3f} s")
+                        f"{_on_off(accumulate)}): TTFT {r['ttft_s']:.3f} s")
     backend.set_prefill_attention(chosen, after_prefill=True)
     backend.set_prefill_delta(chosen_delta, after_prefill=True)
     backend.residual_accumulate = chosen_accumulate
@@ -434,6 +434,10 @@ def _ratio(num, den, fmt: str) -> str:
     return "-" if num is None or den is None else format(num / den, fmt)
 
 
+def _on_off(value) -> str:
+    return {True: "on", False: "off"}.get(value, "-")
+
+
 def tables(results: dict) -> str:
     """The markdown tables of a run."""
     lines = ["| model | ctx | lanes | ours eager tok/s | ours graph tok/s | peer tok/s | roofline tok/s (weights) | "
@@ -455,8 +459,8 @@ def tables(results: dict) -> str:
     for name, p in results["presets"].items():
         for r in p["prefill"]:
             peer = r.get("peer_ttft_s")
-            accumulate = {True: "on", False: "off"}.get(r.get("accumulate"), "-")
-            cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), accumulate, f"{r['ttft_s']:.3f}",
+            cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), _on_off(r.get("accumulate")),
+                     f"{r['ttft_s']:.3f}",
                      _ratio(r["rows"], r["ttft_s"], ".0f"),
                      "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
                      _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
@@ -468,7 +472,7 @@ def tables(results: dict) -> str:
                     where = (f"ctx {r['ctx']} lanes {r['lanes']}" if kind == "decode"
                              else f"{r['rows']} rows, {r.get('attention', '-')} attention, "
                                   f"{r.get('delta', '-')} delta rule, residual accumulate "
-                                  f"{ {True: 'on', False: 'off'}.get(r.get('accumulate'), '-')}")
+                                  f"{_on_off(r.get('accumulate'))}")
                     parts = ", ".join(f"{k} {v['ms']:.2f} ms ({v['calls']})" for k, v in r["profile"]["kernels"].items())
                     lines.append(f"\n{name} {kind} {where} (eager, device {r['profile']['step_ms']:.2f} ms): {parts}")
     return "\n".join(lines)

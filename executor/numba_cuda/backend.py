@@ -33,9 +33,9 @@ from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_flash, attention_prep, attention_wgmma, conv, delta_chunked,
                                  delta_mma, delta_rule, device_weights, elementwise, greedy, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
-from executor.numba_cuda.device import IS_SIMULATOR, columns, copy_of, device_pointer, to_device
+from executor.numba_cuda.device import columns, copy_of, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
-from executor.numba_cuda.gemm import Gemm
+from executor.numba_cuda.gemm import Gemm, accumulate_aligned
 from executor.numba_cuda.gemv import gemv
 from executor.numba_cuda.state import DevicePayload, DeviceState, StatePool
 from executor.weights import Weights, load_weights
@@ -78,13 +78,6 @@ def _check_path_change(what: str, paths: Sequence[str], current: str | None, pat
     if fixed and path != current:
         raise ValueError(f"{what} is {current!r} and a prefill ran: states already computed would not match "
                          f"{path!r} bit for bit")
-
-
-def accumulate_aligned(x) -> bool:
-    """Whether cuBLASLt may add into x (a device array, maybe a row slice): its first element
-    at a multiple of 256 bytes, the alignment the pinned algorithms were chosen for (always
-    under the simulator, where NumPy adds)."""
-    return IS_SIMULATOR or device_pointer(x) % 256 == 0
 
 
 def _i32(values) -> object:

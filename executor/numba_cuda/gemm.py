@@ -143,6 +143,24 @@ def without_split_k(results: np.ndarray, count: int) -> list[np.ndarray]:
     return out
 
 
+def random_bf16(rng: np.random.Generator, shape) -> np.ndarray:
+    """Random bf16 bits (uint16) of `shape`: standard normals truncated to bf16, for the probes."""
+    return (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def bucket_probes(lo: int, hi: int) -> list[int]:
+    """The row counts a bucket [lo, hi] is probed at: lo, lo + 1, the middle, hi - 1 and hi,
+    those within the bucket, ascending, once each."""
+    return sorted({m for m in (lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi) if lo <= m <= hi})
+
+
+def accumulate_aligned(out) -> bool:
+    """Whether cuBLASLt may add into `out` (a device array, maybe a row slice): its first
+    element at a multiple of 256 bytes, cuBLASLt's default alignment, which the pinned
+    algorithms were chosen for (always under the simulator, where NumPy adds)."""
+    return IS_SIMULATOR or device_pointer(out) % 256 == 0
+
+
 def refused_before_launch(exc: BaseException) -> bool:
     """Whether a cuBLASLt error is a configuration refusal (CUBLAS_STATUS_NOT_SUPPORTED or
     INVALID_VALUE: nothing ran) rather than one that may come after a launch
@@ -245,9 +263,8 @@ class Gemm:
         if key in self._algos:
             return self._algos[key]
         rng = np.random.default_rng(seed)
-        bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
-        w = to_device(bits((n, k)))
-        x = to_device(bits((REFERENCE_ROWS, k)))
+        w = to_device(random_bf16(rng, (n, k)))
+        x = to_device(random_bf16(rng, (REFERENCE_ROWS, k)))
         tried = []
         for index, algo in enumerate(self._candidates(n, k)):
             try:
@@ -302,7 +319,7 @@ class Gemm:
         weights = [w] + [copy_of(w) for _ in range(timing_copies(n * k * 2) - 1)]
         chosen, report = [], []
         for lo, hi in BUCKETS:
-            probes = sorted({m for m in (lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi) if lo <= m <= hi})
+            probes = bucket_probes(lo, hi)
             inputs = {m: to_device(host_x[:m]) for m in probes}
             outs = {m: empty((m, n), np.float32) for m in probes}
             expected = {}
@@ -338,13 +355,12 @@ class Gemm:
         seventh its half. Needs (N, K) pinned."""
         n, k = key
         rng = np.random.default_rng(seed)
-        bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
         runs = [(m, self._algos[key]) for m in ACCUMULATE_PROBE_ROWS]
         for (lo, hi), (_, algo) in zip(BUCKETS, self._buckets[key]):
-            runs += [(m, algo) for m in sorted({lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi}) if lo <= m <= hi]
+            runs += [(m, algo) for m in bucket_probes(lo, hi)]
         try:
-            w = to_device(bits((n, k)))
-            host_x = bits((max(m for m, _ in runs), k))
+            w = to_device(random_bf16(rng, (n, k)))
+            host_x = random_bf16(rng, (max(m for m, _ in runs), k))
         except Exception as exc:  # noqa: BLE001 - no memory for the check: no accumulate
             return f"the check could not run: {exc!r}"
         for m, algo in runs:
@@ -410,7 +426,7 @@ class Gemm:
             check("out", out, np.float32, 2)
             if tuple(out.shape) != (m, n) or not out.is_c_contiguous():
                 raise ValueError(f"out {out.shape} must be a C-contiguous [{m}, {n}] to accumulate into")
-            if not IS_SIMULATOR and m and device_pointer(out) % 256:
+            if m and not accumulate_aligned(out):
                 raise ValueError("out must be 256-byte aligned to accumulate into")
             if not self.accumulates(n, k):
                 raise ValueError(f"out: shape (N={n}, K={k}) does not accumulate exactly: "

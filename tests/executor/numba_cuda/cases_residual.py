@@ -258,9 +258,7 @@ def test_forward_adds_each_projection_once_into_its_rows(monkeypatch, tmp_path):
 
 
 def test_accumulate_aligned_wants_a_256_byte_boundary(monkeypatch):
-    from executor.numba_cuda import backend as backend_module
-
-    monkeypatch.setattr(backend_module, "IS_SIMULATOR", False)
+    monkeypatch.setattr(gemm_module, "IS_SIMULATOR", False)
     for address, aligned in ((0, True), (256, True), (4096 + 256, True), (16, False), (256 + 128, False)):
-        monkeypatch.setattr(backend_module, "device_pointer", lambda array, address=address: address)
-        assert backend_module.accumulate_aligned(object()) is aligned, address
+        monkeypatch.setattr(gemm_module, "device_pointer", lambda array, address=address: address)
+        assert gemm_module.accumulate_aligned(object()) is aligned, address
