@@ -154,6 +154,28 @@ def bucket_probes(lo: int, hi: int) -> list[int]:
     return sorted({m for m in (lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi) if lo <= m <= hi})
 
 
+def accumulate_probe_c(rng: np.random.Generator, product: np.ndarray) -> np.ndarray:
+    """The C (f32, product's shape [M, N]) that `Gemm._accumulate_failure` adds a product into:
+    normals over 24 binary orders; every fifth element the product's negation (an exact +0, which a
+    sign-flipped epilogue gives as -0) and every seventh its half; in rows 3, 7, 11, ... (whose
+    product is exactly zero: their x rows are zeros) subnormals of either sign, with +inf and -inf
+    at every ninth element, so an epilogue that flushes subnormals to zero or drops an infinity
+    fails the bit compare."""
+    m, n = product.shape
+    c = rng.standard_normal((m, n), np.float32) * np.exp2(rng.integers(-12, 12, (m, n)).astype(np.float32))
+    flat_c, flat_p = c.reshape(-1), product.reshape(-1)
+    flat_c[::5] = -flat_p[::5]
+    flat_c[3::7] = flat_p[3::7] * np.float32(0.5)
+    zero_rows = c[3::4]
+    tiny = rng.integers(1, 1 << 23, zero_rows.shape, dtype=np.uint32)
+    tiny |= rng.integers(0, 2, zero_rows.shape, dtype=np.uint32) << np.uint32(31)
+    flat = tiny.view(np.float32).reshape(-1)
+    flat[::9] = np.inf
+    flat[4::9] = -np.inf
+    c[3::4] = flat.reshape(zero_rows.shape)
+    return c
+
+
 def accumulate_aligned(out) -> bool:
     """Whether cuBLASLt may add into `out` (a device array, maybe a row slice): its first
     element at a multiple of 256 bytes, cuBLASLt's default alignment, which the pinned
@@ -350,9 +372,9 @@ class Gemm:
         ACCUMULATE_PROBE_ROWS, each bucket's at its range's probe row counts lo, lo + 1, middle,
         hi - 1, hi) gives, with beta = 1, out + its product bit for bit (numpy's fp32 add);
         else why not, or why the check could not run (a failed allocation or launch). Random
-        bf16 x [M, K] and w; out holds normals over 24 binary orders, with every fifth element
-        the product's negation (an exact +0: a sign-flipped epilogue gives -0) and every
-        seventh its half. Needs (N, K) pinned."""
+        bf16 x [M, K] (rows 3, 7, ... zeros) and w; out holds `accumulate_probe_c`: normals over
+        24 binary orders, exact cancellations, halves, and subnormals and infinities over the
+        zero products. Needs (N, K) pinned."""
         n, k = key
         rng = np.random.default_rng(seed)
         runs = [(m, self._algos[key]) for m in ACCUMULATE_PROBE_ROWS]
@@ -365,14 +387,13 @@ class Gemm:
             return f"the check could not run: {exc!r}"
         for m, algo in runs:
             try:
-                xm = to_device(host_x[:m])
+                xs = host_x[:m].copy()
+                xs[3::4] = 0  # zero rows: a product of exact zeros, for C's subnormals and infinities
+                xm = to_device(xs)
                 product = empty((m, n), np.float32)
                 self._run(algo, xm, w, product)
                 p = product.copy_to_host()
-                c = rng.standard_normal((m, n), np.float32) * np.exp2(rng.integers(-12, 12, (m, n)).astype(np.float32))
-                flat_c, flat_p = c.reshape(-1), p.reshape(-1)
-                flat_c[::5] = -flat_p[::5]
-                flat_c[3::7] = flat_p[3::7] * np.float32(0.5)
+                c = accumulate_probe_c(rng, p)
                 out = to_device(c)
                 self._run(algo, xm, w, out, accumulate=True)
                 got = out.copy_to_host()

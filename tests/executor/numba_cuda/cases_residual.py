@@ -57,7 +57,7 @@ def _fake_gemm(plant: str | None) -> Gemm:
     """A Gemm whose algorithms are NumPy products; `plant` breaks the accumulating one: "ulp"
     moves one element by one unit in the last place at M = 64, "lo" does so at M = 17 only (the
     bucket's lowest row count), "sign" computes -((-p) - c) (c + p but for an exact
-    cancellation, -0 for +0), "raise" refuses beta = 1."""
+    cancellation, -0 for +0), "ftz" flushes subnormal C to zero, "raise" refuses beta = 1."""
     gemm = Gemm.__new__(Gemm)
     gemm.pinned, gemm.refused, gemm._accumulate = {(16, 32): {}}, {}, {}
     reference, bucket = np.zeros(8, np.uint64), np.ones(8, np.uint64)
@@ -73,7 +73,10 @@ def _fake_gemm(plant: str | None) -> Gemm:
             return
         if plant == "raise" and algo is bucket:
             raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
-        got = -((-p) - host(out)) if plant == "sign" else host(out) + p
+        c = out.copy_to_host()  # holds infinities: not `host`, which refuses non-finite values
+        if plant == "ftz":  # an epilogue that flushes subnormal inputs to zero
+            c = np.where(np.abs(c) < np.float32(2.0**-126), np.copysign(np.float32(0), c), c)
+        got = -((-p) - c) if plant == "sign" else c + p
         if (plant == "ulp" and algo is bucket and x.shape[0] == 64) or (plant == "lo" and x.shape[0] == 17):
             got.reshape(-1)[7] = np.nextafter(got.reshape(-1)[7], np.float32(np.inf))
         out.copy_to_device(got)
@@ -84,11 +87,12 @@ def _fake_gemm(plant: str | None) -> Gemm:
 
 @pytest.mark.parametrize(("plant", "why"), [(None, ""), ("ulp", "at M=64: 1 of 1024 elements differ"),
                                             ("lo", "at M=17: 1 of 272 elements differ"), ("sign", "elements differ"),
+                                            ("ftz", "at M=51: "),
                                             ("raise", "at M=1: RuntimeError")])
 def test_the_accumulate_check_runs_every_algorithm_at_its_probe_rows(plant, why):
     """`_accumulate_failure` runs the reference at ACCUMULATE_PROBE_ROWS and each bucket's
     algorithm at its range's probe rows, and names the first that gives other bits (one ulp
-    at one M, or -0 for an exact cancellation) or refuses beta = 1; `accumulates` keeps the
+    at one M, -0 for an exact cancellation, a subnormal C flushed) or refuses beta = 1; `accumulates` keeps the
     verdict and says it in `pinned`."""
     gemm = _fake_gemm(plant)
     got = gemm._accumulate_failure((16, 32), seed=1)
