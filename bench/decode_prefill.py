@@ -9,7 +9,8 @@ recurrent states filled with random values: no prefill needed), eager and replay
 CUDA graphs; tokens/s against the roofline lanes / (weight bytes per step / copy
 bandwidth), and against a fuller floor that adds the K/V rows and recurrent states a step
 must read. Prefill: one chunk of `rows` rows from an empty state; TTFT (wall, logits on
-the host) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
+the host; the median of `--ttft-repeats` prefills, 3 by default, each listed in the JSON's
+`ttft_runs_s`) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
 measured GEMM rate). Per-kernel device times (launches queued behind a spin kernel, events
 around each call) say where the time goes. One file with the peer (~400 lines): the two
 sides share the weights, the rooflines and the table.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import subprocess
 import sys
@@ -65,6 +67,11 @@ class BenchConfig:
     residual_accumulate: tuple[bool, ...] = ()
     """NumbaCudaBackend.residual_accumulate settings to time side by side (empty: the backend's
     own, on unless WARMSTATE_RESIDUAL_ACCUMULATE=0)."""
+    gemm_large: tuple[bool, ...] = ()
+    """Gemm.large settings (rows > 1024 on the fastest bit-equal cuBLASLt algorithm, or on the
+    reference) to time side by side (empty: the backend's own, on unless WARMSTATE_GEMM_LARGE=0)."""
+    ttft_repeats: int = 3
+    """Prefills a TTFT is the median of (each from an empty state; `ttft_runs_s` keeps them all)."""
 
 
 # rooflines --------------------------------------------------------------------------------
@@ -232,12 +239,15 @@ def decode_ours(backend: NumbaCudaBackend, ctx: int, lanes: int, cfg: BenchConfi
 def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile: bool) -> dict:
     rng = np.random.default_rng(cfg.seed + rows)
     ids = [int(t) for t in rng.integers(0, backend.config.vocab_size, rows)]
-    state = backend.new_state()
-    t0 = time.perf_counter()
-    logits = backend.prefill(state, ids, (0, rows))
-    out = {"rows": rows, "ttft_s": time.perf_counter() - t0}
-    backend.release(state)
-    assert np.isfinite(logits).all(), "non-finite prefill logits"
+    runs = []
+    for _ in range(max(1, cfg.ttft_repeats)):
+        state = backend.new_state()
+        t0 = time.perf_counter()
+        logits = backend.prefill(state, ids, (0, rows))
+        runs.append(time.perf_counter() - t0)
+        backend.release(state)
+        assert np.isfinite(logits).all(), "non-finite prefill logits"
+    out = {"rows": rows, "ttft_s": float(np.median(runs)), "ttft_runs_s": [round(t, 4) for t in runs]}
     if profile:
         state = backend.new_state()
         s = state.slot
@@ -384,25 +394,27 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
                 f"(device {r['graph_device_s'] * 1e3:.1f} ms)")
     chosen, chosen_delta = backend.prefill_attention, backend.prefill_delta
     result["prefill_delta"] = {"kind": chosen_delta, "passed_over": backend.delta_failures}
-    chosen_accumulate = backend.residual_accumulate
+    chosen_accumulate, chosen_large = backend.residual_accumulate, backend.gemm.large
+    settings = list(itertools.product(cfg.prefill_attention or (chosen,), cfg.prefill_delta or (chosen_delta,),
+                                      cfg.residual_accumulate or (chosen_accumulate,), cfg.gemm_large or (chosen_large,)))
     for rows in prefill_rows:
-        for path in cfg.prefill_attention or (chosen,):
-            for delta in cfg.prefill_delta or (chosen_delta,):
-                for accumulate in cfg.residual_accumulate or (chosen_accumulate,):
-                    backend.set_prefill_attention(path, after_prefill=True)
-                    backend.set_prefill_delta(delta, after_prefill=True)
-                    backend.residual_accumulate = accumulate
-                    prefill_ours(backend, min(rows, 1024), cfg, False)  # these paths' kernels compiled and warm
-                    r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
-                    r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
-                    r["attention"], r["delta"], r["accumulate"] = path, delta, accumulate
-                    result["prefill"].append(r)
-                    log(f"{name} prefill {rows} ({path} attention, {delta} delta rule, residual accumulate "
-                        f"{_on_off(accumulate)}): TTFT {r['ttft_s']:.3f} s")
+        for path, delta, accumulate, large in settings:
+            backend.set_prefill_attention(path, after_prefill=True)
+            backend.set_prefill_delta(delta, after_prefill=True)
+            backend.residual_accumulate, backend.gemm.large = accumulate, large
+            prefill_ours(backend, min(rows, 1024), attrs.evolve(cfg, ttft_repeats=1), False)  # these paths' kernels compiled and warm
+            r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
+            r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
+            r["attention"], r["delta"], r["accumulate"], r["gemm_large"] = path, delta, accumulate, large
+            result["prefill"].append(r)
+            log(f"{name} prefill {rows} ({_setting(r)}): TTFT {r['ttft_s']:.3f} s (runs {r['ttft_runs_s']})")
+    backend.gemm.large = chosen_large
     backend.set_prefill_attention(chosen, after_prefill=True)
     backend.set_prefill_delta(chosen_delta, after_prefill=True)
     backend.residual_accumulate = chosen_accumulate
     result["accumulate_refused"] = {f"{n}x{k}": why for (n, k), why in backend.accumulate_refused.items()}
+    result["gemm_large"] = {f"{n}x{k}": pinned["buckets"][-1] for (n, k), pinned in backend.gemm.pinned.items()
+                            if pinned.get("buckets")}
     backend.pool = None
     del backend
     gc.collect()
@@ -438,6 +450,12 @@ def _on_off(value) -> str:
     return {True: "on", False: "off"}.get(value, "-")
 
 
+def _setting(r: dict) -> str:
+    """A prefill row's paths and switches, as the log and the profile lines name them."""
+    return (f"{r.get('attention', '-')} attention, {r.get('delta', '-')} delta rule, residual accumulate "
+            f"{_on_off(r.get('accumulate'))}, large-M GEMM {_on_off(r.get('gemm_large'))}")
+
+
 def tables(results: dict) -> str:
     """The markdown tables of a run."""
     lines = ["| model | ctx | lanes | ours eager tok/s | ours graph tok/s | peer tok/s | roofline tok/s (weights) | "
@@ -453,14 +471,14 @@ def tables(results: dict) -> str:
                      _ratio(peer, r["graph_s"], ".2f") + ("x" if peer else ""), _ratio(lanes, r["full_roof_s"], ".1f"),
                      _ratio(r["full_roof_s"], r["graph_s"], ".0%")]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
-    lines += ["", "| model | prompt rows | attention | delta rule | residual accumulate | ours TTFT s | ours rows/s | "
-              "peer TTFT s | matrix roofline TTFT s | ours / roofline | ours / peer |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | prompt rows | attention | delta rule | residual accumulate | large-M GEMM | ours TTFT s "
+              "(median) | ours rows/s | peer TTFT s | matrix roofline TTFT s | ours / roofline | ours / peer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["presets"].items():
         for r in p["prefill"]:
             peer = r.get("peer_ttft_s")
             cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), _on_off(r.get("accumulate")),
-                     f"{r['ttft_s']:.3f}",
+                     _on_off(r.get("gemm_large")), f"{r['ttft_s']:.3f}",
                      _ratio(r["rows"], r["ttft_s"], ".0f"),
                      "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
                      _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
@@ -469,10 +487,7 @@ def tables(results: dict) -> str:
         for kind in ("decode", "prefill"):
             for r in p[kind]:
                 if "profile" in r:
-                    where = (f"ctx {r['ctx']} lanes {r['lanes']}" if kind == "decode"
-                             else f"{r['rows']} rows, {r.get('attention', '-')} attention, "
-                                  f"{r.get('delta', '-')} delta rule, residual accumulate "
-                                  f"{_on_off(r.get('accumulate'))}")
+                    where = f"ctx {r['ctx']} lanes {r['lanes']}" if kind == "decode" else f"{r['rows']} rows, {_setting(r)}"
                     parts = ", ".join(f"{k} {v['ms']:.2f} ms ({v['calls']})" for k, v in r["profile"]["kernels"].items())
                     lines.append(f"\n{name} {kind} {where} (eager, device {r['profile']['step_ms']:.2f} ms): {parts}")
     return "\n".join(lines)
@@ -533,7 +548,15 @@ def main() -> None:
     parser.add_argument("--residual-accumulate", default="",
                         help="residual accumulate settings to time side by side, comma-separated, from on,off "
                              "(default: the backend's, on unless WARMSTATE_RESIDUAL_ACCUMULATE=0)")
+    parser.add_argument("--gemm-large", default="",
+                        help="large-M GEMM settings to time side by side, comma-separated, from on,off: rows > 1024 "
+                             "on the fastest cuBLASLt algorithm bit-equal to the reference, or on the reference "
+                             "(default: the backend's, on unless WARMSTATE_GEMM_LARGE=0)")
+    parser.add_argument("--ttft-repeats", type=int, default=defaults.ttft_repeats,
+                        help=f"prefills a TTFT is the median of (default {defaults.ttft_repeats})")
     args = parser.parse_args()
+    if args.ttft_repeats < 1:
+        parser.error(f"--ttft-repeats: must be at least 1, got {args.ttft_repeats}")
     changes = {"peer": not (args.no_peer or args.decode_only), "commit": args.commit}
     if args.decode_only:
         changes |= {"prefill_rows": (), "long_prefill": ()}
@@ -555,12 +578,15 @@ def main() -> None:
         unknown = set(changes["prefill_delta"]) - {"mma", "cuda-core"}
         if unknown:
             parser.error(f"--prefill-delta: unknown paths {sorted(unknown)} (mma, cuda-core)")
-    if args.residual_accumulate:
-        settings = args.residual_accumulate.split(",")
-        unknown = set(settings) - {"on", "off"}
-        if unknown:
-            parser.error(f"--residual-accumulate: unknown settings {sorted(unknown)} (on, off)")
-        changes["residual_accumulate"] = tuple(v == "on" for v in settings)
+    for flag, field in (("--residual-accumulate", "residual_accumulate"), ("--gemm-large", "gemm_large")):
+        value = getattr(args, field)
+        if value:
+            settings = value.split(",")
+            unknown = set(settings) - {"on", "off"}
+            if unknown:
+                parser.error(f"{flag}: unknown settings {sorted(unknown)} (on, off)")
+            changes[field] = tuple(v == "on" for v in settings)
+    changes["ttft_repeats"] = args.ttft_repeats
     cfg = attrs.evolve(defaults, **changes)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

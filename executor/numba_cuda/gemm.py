@@ -12,7 +12,9 @@ when M is 1 to 256 (27B down_proj: 202 us at M = 16, where another algorithm tak
 bench/RESULTS.md, session 3). So for each row-count bucket of BUCKETS, `pin` also asks the
 heuristic at the bucket's top M, keeps the candidates (no split-K) whose output equals the
 reference algorithm's bit for bit at five probe row counts of the bucket, and runs the fastest of
-those and the reference itself (timed on the device) for every M in the bucket. Buckets up to
+those and the reference itself (timed on the device) for every M in the bucket. Every M past
+the buckets (long prefill chunks) likewise runs the fastest bit-equal algorithm timed at
+LARGE_ROWS (`_large_algo`). Buckets up to
 WIDE_POOL_MAX_ROWS rows also take the candidates the heuristic offers for other shapes
 (`pool_queries`): asked at wider N it offers narrower tiles, and an algorithm runs any shape it
 accepts (27B down_proj at 51 rows: 83.6 -> 53.2 us, bit-equal; bench/RESULTS.md, session 17). A row's bits
@@ -33,7 +35,11 @@ bucket's at their probe row counts, on random values and values that cancel.
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
+from numba import cuda
 
 from executor.numba_cuda.device import IS_SIMULATOR, check, check_product, copy_of, device_pointer, empty, to_device
 from executor.safetensors_file import bf16_to_f32
@@ -56,7 +62,7 @@ PROBE_ROWS = (1, 7, 16, 64, 100, 129, 333)
 CANDIDATES = 16
 BUCKETS = ((1, 16), (17, 64), (65, 256), (257, 1024))
 """Row-count ranges [lo, hi] that get their own (bit-identical, fastest) algorithm; larger M
-runs the reference algorithm."""
+takes the range past them (RANGES, LARGE_ROWS)."""
 BUCKET_CANDIDATES = 8
 """Candidates a heuristic query contributes to a bucket (its first ones)."""
 WIDE_POOL_MAX_ROWS = 64
@@ -82,6 +88,18 @@ on one L2-resident weight, the 27B kv_proj (21 MB) bucket of 17-64 rows chose an
 that takes 61 us from device memory against the reference's 51 (bench/RESULTS.md,
 session 16)."""
 TIMING_MAX_COPIES = 16
+LARGE_ROWS = 8192
+"""Row count at which the range past BUCKETS (M > 1024: long prefill chunks) times its
+candidates: the heuristic's first BUCKET_CANDIDATES at (LARGE_ROWS, N) and the reference with
+its CTA swizzle flipped (which orders tiles, not sums). The fastest whose rows equal the
+reference's bit for bit at LARGE_PROBES runs every M of the range (the reference, unless one
+is faster)."""
+LARGE_ENV = "WARMSTATE_GEMM_LARGE"
+"""Set to 0 to run every M past BUCKETS on the reference algorithm (no search at pinning): the A
+side of an A/B; the same bits either way."""
+LARGE_PROBES = (1025, 1026, 1537, 2047, REFERENCE_ROWS)
+"""Row counts the range past BUCKETS is probed at (rows of the pinning's x, compared with the
+reference's on the device)."""
 ACCUMULATE_PROBE_ROWS = (1, 51, REFERENCE_ROWS)
 """Row counts at which `accumulates` checks that the reference algorithm's accumulating product
 equals out + the product, bit for bit (each bucket's algorithm is checked at its own probe rows)."""
@@ -150,8 +168,53 @@ def random_bf16(rng: np.random.Generator, shape) -> np.ndarray:
 
 def bucket_probes(lo: int, hi: int) -> list[int]:
     """The row counts a bucket [lo, hi] is probed at: lo, lo + 1, the middle, hi - 1 and hi,
-    those within the bucket, ascending, once each."""
+    those within the bucket, ascending, once each; the range past BUCKETS (hi = LARGE): LARGE_PROBES."""
+    if hi == LARGE:
+        return list(LARGE_PROBES)
     return sorted({m for m in (lo, lo + 1, (lo + hi) // 2 + 1, hi - 1, hi) if lo <= m <= hi})
+
+
+LARGE = 1 << 62
+"""The top of the last row range, past BUCKETS: every larger M."""
+RANGES = (*BUCKETS, (BUCKETS[-1][1] + 1, LARGE))
+"""Row-count ranges [lo, hi] that each run one algorithm: BUCKETS, then every M past them."""
+
+
+@cuda.jit
+def _unequal_kernel(a, b, count):
+    """count[0] += the number of i with a[i] != b[i] (uint32 words: bits, not values)."""
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    found = 0
+    while i < a.size:
+        if a[i] != b[i]:
+            found += 1
+        i += stride
+    if found:
+        cuda.atomic.add(count, 0, found)
+
+
+def unequal_words(a, b, max_blocks: int = 1024) -> int:
+    """How many 32-bit words of two same-shape C-contiguous f32 device arrays differ (their bits),
+    counted on the device by at most `max_blocks` blocks of 256 threads. Raises ValueError when
+    the shapes differ."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    count = to_device(np.zeros(1, np.uint32))
+    flat_a, flat_b = a.reshape(a.size).view(np.uint32), b.reshape(b.size).view(np.uint32)
+    _unequal_kernel[min(max_blocks, max(1, -(-a.size // 256))), 256](flat_a, flat_b, count)
+    return int(count.copy_to_host()[0])
+
+
+def flip_swizzle(algo: np.ndarray) -> np.ndarray:
+    """A copy of a cuBLASLt algorithm (uint64[8]) with its CTA swizzle flipped (0 <-> 1:
+    CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, the order tiles are given to CTAs; each output's sum
+    is unchanged)."""
+    value, written = np.zeros(1, np.uint32), np.zeros(1, np.uint64)
+    lt.matmul_algo_config_get_attribute(algo.ctypes.data, 4, value.ctypes.data, 4, written.ctypes.data)
+    flipped, flip = algo.copy(), np.array([1 - int(value[0] & 1)], np.uint32)
+    lt.matmul_algo_config_set_attribute(flipped.ctypes.data, 4, flip.ctypes.data, 4)
+    return flipped
 
 
 def accumulate_probe_c(rng: np.random.Generator, product: np.ndarray) -> np.ndarray:
@@ -209,6 +272,10 @@ class Gemm:
         """(M, N, K) -> why its bucket's algorithm refused that M (the reference runs it since)."""
         self._accumulate: dict[tuple[int, int], str] = {}
         """(N, K) -> "" when every algorithm of the shape accumulates bit-exactly, else why not."""
+        self.large: bool = os.environ.get(LARGE_ENV, "1").strip() != "0"
+        """Whether M past BUCKETS runs `_large_algo`'s choice (else the reference; the same bits).
+        Off from the start (LARGE_ENV=0), pinning does not search, and turning it on later
+        changes nothing."""
         if IS_SIMULATOR:
             return
         if lt is None:
@@ -333,9 +400,10 @@ class Gemm:
         return np.array_equal(out.copy_to_host(), expected)
 
     def _bucket_algos(self, reference: np.ndarray, x, w) -> list[tuple[int, np.ndarray]]:
-        """[(hi, algo)] per BUCKETS range: the fastest candidate whose output equals the
+        """[(hi, algo)] per RANGES range: the fastest candidate whose output equals the
         reference algorithm's bit for bit at the range's probe row counts (lo, lo + 1, middle,
-        hi - 1, hi), or the reference itself. x: the pinning's random bf16 [REFERENCE_ROWS, K]; w: [N, K]."""
+        hi - 1, hi; LARGE_PROBES past BUCKETS, `_large_algo`), or the reference itself.
+        x: the pinning's random bf16 [REFERENCE_ROWS, K]; w: [N, K]."""
         n, k = w.shape[0], x.shape[1]
         host_x = x.copy_to_host()
         weights = [w] + [copy_of(w) for _ in range(timing_copies(n * k * 2) - 1)]
@@ -364,8 +432,57 @@ class Gemm:
             chosen.append((hi, best))
             report.append({"rows": [lo, hi], "candidates": len(candidates), "bit_equal_candidates": equal, "reference_us": round(reference_s * 1e6, 1),
                            "chosen_us": round(best_s * 1e6, 1), "algo_id": int(best[0] & 0xFFFFFFFF)})
+        best, entry = self._large_algo(reference, host_x, w, weights)
+        chosen.append((LARGE, best))
+        report.append(entry)
         self.pinned[(n, k)]["buckets"] = report
         return chosen
+
+    def _large_algo(self, reference: np.ndarray, host_x: np.ndarray, w, weights: list) -> tuple[np.ndarray, dict]:
+        """The algorithm for every M past BUCKETS, and its report: the fastest at LARGE_ROWS
+        rows (the pinning's x repeated) of the reference and the candidates (LARGE_ROWS'
+        docstring) whose output equals the reference's bit for bit at every LARGE_PROBES row
+        count, compared on the device (`unequal_words`; no copy to the host)."""
+        n = w.shape[0]
+        lo = BUCKETS[-1][1] + 1
+        if not self.large:
+            return reference, {"rows": [lo, None], "off": f"{LARGE_ENV}=0", "algo_id": int(reference[0] & 0xFFFFFFFF)}
+        began = time.perf_counter()
+        x = to_device(host_x)
+        ref_out = empty((REFERENCE_ROWS, n), np.float32)
+        self._run(reference, x, w, ref_out)
+        out = empty((REFERENCE_ROWS, n), np.float32)
+        x_large = to_device(np.tile(host_x, (-(-LARGE_ROWS // host_x.shape[0]), 1))[:LARGE_ROWS])
+        out_large = empty((LARGE_ROWS, n), np.float32)
+        best, best_s = reference, self._seconds(reference, x_large, weights, out_large)
+        reference_s, equal = best_s, 0
+        try:
+            candidates = [flip_swizzle(reference)] + self._candidates(n, x.shape[1], LARGE_ROWS)[:BUCKET_CANDIDATES]
+        except Exception:  # noqa: BLE001 - a shape the heuristic refuses: the reference alone
+            candidates = []
+        seen = {reference.tobytes()}
+        for algo in candidates:
+            if algo.tobytes() in seen:
+                continue
+            seen.add(algo.tobytes())
+            try:
+                same = True
+                for m in LARGE_PROBES:
+                    self._run(algo, x[:m], w, out[:m])
+                    same = same and unequal_words(out[:m], ref_out[:m]) == 0
+                if not same:
+                    continue
+                equal += 1
+                seconds = self._seconds(algo, x_large, weights, out_large)
+            except Exception:  # noqa: BLE001 - an algorithm that rejects these M is not used
+                continue
+            if seconds < best_s:
+                best, best_s = algo, seconds
+        entry = {"rows": [lo, None], "timed_at": LARGE_ROWS, "candidates": len(seen) - 1,
+                 "bit_equal_candidates": equal, "reference_us": round(reference_s * 1e6, 1),
+                 "chosen_us": round(best_s * 1e6, 1), "algo_id": int(best[0] & 0xFFFFFFFF),
+                 "search_s": round(time.perf_counter() - began, 3)}
+        return best, entry
 
     def _accumulate_failure(self, key: tuple[int, int], seed: int = 0) -> str:
         """The empty string when every algorithm that runs (N, K) (the reference at
@@ -378,7 +495,7 @@ class Gemm:
         n, k = key
         rng = np.random.default_rng(seed)
         runs = [(m, self._algos[key]) for m in ACCUMULATE_PROBE_ROWS]
-        for (lo, hi), (_, algo) in zip(BUCKETS, self._buckets[key]):
+        for (lo, hi), (_, algo) in zip(RANGES, self._buckets[key]):
             runs += [(m, algo) for m in bucket_probes(lo, hi)]
         try:
             w = to_device(random_bf16(rng, (n, k)))
@@ -422,9 +539,10 @@ class Gemm:
 
     def algo_for(self, m: int, n: int, k: int) -> np.ndarray:
         """The algorithm that runs an [m, K] x [N, K]^T product (pinning (N, K) on first use):
-        its bucket's, or the reference for M past the buckets or an M its bucket's refused."""
+        its row range's (RANGES), or the reference for an M its range's algorithm refused and
+        for M past BUCKETS when `large` is off."""
         reference = self.pin(n, k)
-        if (m, n, k) in self.refused:
+        if (m, n, k) in self.refused or (m > BUCKETS[-1][1] and not self.large):
             return reference
         for hi, algo in self._buckets[(n, k)]:
             if m <= hi:

@@ -652,26 +652,28 @@ def test_fast_launches_give_numba_s_bits(models):
 @pytest.mark.parametrize(("preset_name", "matrix"), [("qwen3.5-27b", "down"), ("qwen3.5-2b", "in_proj"),
                                                    ("qwen3.5-27b", "kv_proj"), ("qwen3.5-2b", "down")])
 def test_gemm_rows_are_the_reference_algorithm_s_at_every_row_count(preset_name, matrix):
-    """The per-bucket algorithms (gemm.BUCKETS, short buckets from the wide pool) give every
-    row the bits of the reference algorithm's M = 1100 product, at every row count of the
-    short-chunk buckets and at row counts inside, between and at the larger buckets' edges.
-    (27B down and kv_proj, 2B down: the shapes whose wide-pool algorithm at 51 rows was 1.6-2.6x
-    faster than the heuristic's own in session 17.)"""
-    from executor.numba_cuda.device import to_device
+    """The per-range algorithms (gemm.RANGES: short buckets from the wide pool, and the range
+    past them, timed at LARGE_ROWS) give every row the bits of the reference algorithm's M = 4100
+    product, at every row count of the short-chunk buckets, at row counts inside, between and at
+    the larger buckets' edges, and past them. (27B down and kv_proj, 2B down: the shapes whose
+    wide-pool algorithm at 51 rows was 1.6-2.6x faster than the heuristic's own in session 17.)"""
+    from executor.numba_cuda.device import empty, to_device
     from executor.numba_cuda.device_weights import matrix_shapes
-    from executor.numba_cuda.gemm import BUCKET_CANDIDATES, Gemm
+    from executor.numba_cuda.gemm import BUCKET_CANDIDATES, RANGES, Gemm
     from executor.presets import preset
 
     n, k = (matrix_shapes(preset(preset_name), LINEAR) | matrix_shapes(preset(preset_name), FULL))[matrix]
     rng = np.random.default_rng(7)
     bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
-    x, w = bits((1100, k)), to_device(bits((n, k)))
+    x, w = bits((4100, k)), to_device(bits((n, k)))
     gemm = Gemm()
-    full = gemm.matmul(to_device(x), w).copy_to_host()
+    reference = empty((4100, n), np.float32)
+    gemm._run(gemm.pin(n, k), to_device(x), w, reference)
+    full = reference.copy_to_host()
     buckets = gemm.pinned[(n, k)]["buckets"]
-    assert len(buckets) == 4
+    assert len(buckets) == len(RANGES) and buckets[-1]["rows"] == [RANGES[-1][0], None], buckets[-1]
     assert buckets[1]["candidates"] > BUCKET_CANDIDATES, buckets[1]  # the wide pool asked more than one shape
-    for m in (*range(1, 65), 65, 100, 255, 256, 257, 500, 1023, 1024, 1025):
+    for m in (*range(1, 65), 65, 100, 255, 256, 257, 500, 1023, 1024, 1025, 1100, 2048, 4099, 4100):
         part = gemm.matmul(to_device(x[-m:]), w).copy_to_host()
         assert np.array_equal(part, full[-m:]), f"rows differ at M={m}"
 

@@ -1,0 +1,115 @@
+"""The cuBLASLt row range past the buckets (Gemm._large_algo: long prefill chunks) and the
+device bit compare it uses. Run by test_kernels_simulated.py under the CUDA simulator, with
+NumPy products standing in for cuBLASLt's algorithms; `pytest
+tests/executor/numba_cuda/cases_gemm.py` on a GPU runs `unequal_words` on the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from executor.numba_cuda import gemm as gemm_module
+from executor.numba_cuda.device import to_device
+from executor.numba_cuda.gemm import BUCKETS, LARGE, LARGE_PROBES, LARGE_ROWS, RANGES, Gemm, bucket_probes, unequal_words
+from tests.executor.numba_cuda.kernel_support import rng
+
+
+def test_unequal_words_counts_differing_bits_not_values():
+    """+0 and -0, and two NaN payloads, are equal values' or unordered values' bits that differ:
+    counted; equal bits are not, whatever the shape."""
+    r = rng()
+    a = r.standard_normal((37, 53)).astype(np.float32)
+    b = a.copy()
+    assert unequal_words(to_device(a), to_device(b)) == 0
+    a[0, 0], b[0, 0] = 0.0, -0.0
+    b[5, 7] = np.nextafter(b[5, 7], np.float32(np.inf))
+    a[36, 52] = np.uint32(0x7FC00000).view(np.float32)
+    b[36, 52] = np.uint32(0x7FC00001).view(np.float32)
+    assert unequal_words(to_device(a), to_device(b)) == 3
+    big = r.standard_normal(1001).astype(np.float32)  # more words than one block has threads
+    other = big.copy()
+    other[::100] += 1
+    assert unequal_words(to_device(big), to_device(other), max_blocks=1) == 11
+    with pytest.raises(ValueError, match="shapes differ"):
+        unequal_words(to_device(a), to_device(a[:3]))
+
+
+def test_the_range_past_the_buckets_is_probed_at_its_own_rows():
+    assert RANGES[:-1] == BUCKETS and RANGES[-1] == (BUCKETS[-1][1] + 1, LARGE)
+    assert bucket_probes(*RANGES[-1]) == list(LARGE_PROBES)
+    assert all(BUCKETS[-1][1] < m <= gemm_module.REFERENCE_ROWS for m in LARGE_PROBES)
+
+
+def _fake(monkeypatch):
+    """A Gemm whose algorithms (uint64[8], id in word 0) are NumPy products: id 7 adds one ulp
+    to one element at M = 1537 only, id 8 refuses every M, the rest give the reference's bits;
+    `_seconds` is the id's entry in `speed`."""
+    gemm = Gemm.__new__(Gemm)
+    gemm.large = True
+    algo = {i: np.full(8, i, np.uint64) for i in range(10)}
+    speed = {0: 5e-3, 1: 6e-3, 5: 3e-3, 6: 4e-3, 7: 1e-3, 8: 1e-3, 9: 2e-3}
+
+    def run(a, x, w, out, stream=0, accumulate=False):
+        if int(a[0]) == 8:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        xs = (x.copy_to_host().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        ws = (w.copy_to_host().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        p = (xs @ ws.T).astype(np.float32)
+        if int(a[0]) == 7 and x.shape[0] == 1537:
+            p[1536, 3] = np.nextafter(p[1536, 3], np.float32(np.inf))
+        out.copy_to_device(p)
+
+    gemm._run = run
+    gemm._seconds = lambda a, x, weights, out: speed[int(a[0])]
+    gemm._candidates = lambda n, k, m: [algo[i] for i in (6, 7, 8, 9, 0, 5)] if m == LARGE_ROWS else []
+    monkeypatch.setattr(gemm_module, "flip_swizzle", lambda a: algo[1])
+    # the bit compare on the host here: the simulator runs unequal_words' threads one by one
+    monkeypatch.setattr(gemm_module, "unequal_words", lambda a, b: int(np.count_nonzero(
+        a.copy_to_host().view(np.uint32) != b.copy_to_host().view(np.uint32))))
+    return gemm, algo
+
+
+def test_large_rows_run_the_fastest_bit_equal_algorithm(monkeypatch):
+    """Of the reference (id 0, 5 ms), its swizzle flipped (id 1, 6 ms) and the heuristic's first
+    BUCKET_CANDIDATES at LARGE_ROWS, the fastest whose rows equal the reference's at every
+    LARGE_PROBES count runs: not id 7 (one ulp at M = 1537, though fastest), not id 8 (refuses),
+    id 9 (2 ms) over 5 and 6; the reference again is not counted twice."""
+    gemm, algo = _fake(monkeypatch)
+    r = rng()
+    host_x = (r.standard_normal((gemm_module.REFERENCE_ROWS, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    w = to_device((r.standard_normal((16, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    best, entry = gemm._large_algo(algo[0], host_x, w, [w])
+    assert int(best[0]) == 9
+    assert entry.pop("search_s") >= 0
+    assert entry == {"rows": [BUCKETS[-1][1] + 1, None], "timed_at": LARGE_ROWS, "candidates": 6,
+                     "bit_equal_candidates": 4, "reference_us": 5000.0, "chosen_us": 2000.0, "algo_id": 9}
+    # no faster equal candidate: the reference itself
+    gemm._seconds = lambda a, x, weights, out: 1e-3 if int(a[0]) in (0, 7, 8) else 9e-3
+    best, entry = gemm._large_algo(algo[0], host_x, w, [w])
+    assert best is algo[0] and entry["algo_id"] == 0 and entry["bit_equal_candidates"] == 4
+
+
+def test_algo_for_gives_every_m_past_the_buckets_the_large_algorithm(monkeypatch):
+    gemm, algo = _fake(monkeypatch)
+    gemm.pinned, gemm.refused = {}, {}
+    gemm._algos = {(16, 24): algo[0]}
+    gemm._buckets = {(16, 24): [(hi, algo[2 + i]) for i, (_, hi) in enumerate(BUCKETS)] + [(LARGE, algo[9])]}
+    gemm.pin = lambda n, k: gemm._algos[(n, k)]
+    got = {m: int(gemm.algo_for(m, 16, 24)[0]) for m in (1, 16, 17, 1024, 1025, 2048, 32768, 1 << 40)}
+    assert got == {1: 2, 16: 2, 17: 3, 1024: 5, 1025: 9, 2048: 9, 32768: 9, 1 << 40: 9}
+    gemm.refused[(32768, 16, 24)] = "refused"
+    assert gemm.algo_for(32768, 16, 24) is algo[0]
+    gemm.large = False  # the A side: the reference past the buckets, the buckets as before
+    assert [int(gemm.algo_for(m, 16, 24)[0]) for m in (1024, 1025, 40000)] == [5, 0, 0]
+
+
+def test_large_off_from_the_start_searches_nothing(monkeypatch):
+    monkeypatch.setenv(gemm_module.LARGE_ENV, " 0 ")
+    assert Gemm().large is False
+    monkeypatch.setenv(gemm_module.LARGE_ENV, "1")
+    assert Gemm().large is True
+    gemm, algo = _fake(monkeypatch)
+    gemm.large = False
+    gemm._candidates = gemm._seconds = None  # never asked
+    best, entry = gemm._large_algo(algo[0], np.zeros((gemm_module.REFERENCE_ROWS, 24), np.uint16), np.zeros((16, 24), np.uint16), [])
+    assert best is algo[0] and entry == {"rows": [BUCKETS[-1][1] + 1, None], "off": "WARMSTATE_GEMM_LARGE=0", "algo_id": 0}
