@@ -10,7 +10,7 @@ CUDA graphs; tokens/s against the roofline lanes / (weight bytes per step / copy
 bandwidth), and against a fuller floor that adds the K/V rows and recurrent states a step
 must read. Prefill: one chunk of `rows` rows from an empty state; TTFT (wall, logits on
 the host; the median of `--ttft-repeats` prefills, 3 by default, each listed in the JSON's
-`ttft_runs_s`) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
+`ttft_runs_s`; the peer's is one prefill) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
 measured GEMM rate). Per-kernel device times (launches queued behind a spin kernel, events
 around each call) say where the time goes. One file with the peer (~400 lines): the two
 sides share the weights, the rooflines and the table.
@@ -551,7 +551,8 @@ def main() -> None:
     parser.add_argument("--gemm-large", default="",
                         help="large-M GEMM settings to time side by side, comma-separated, from on,off: rows > 1024 "
                              "on the fastest cuBLASLt algorithm bit-equal to the reference, or on the reference "
-                             "(default: the backend's, on unless WARMSTATE_GEMM_LARGE=0)")
+                             "(default: the backend's, on unless WARMSTATE_GEMM_LARGE=0; with that set there is "
+                             "no pick, and on runs the reference too: the JSON's gemm_large says)")
     parser.add_argument("--ttft-repeats", type=int, default=defaults.ttft_repeats,
                         help=f"prefills a TTFT is the median of (default {defaults.ttft_repeats})")
     args = parser.parse_args()

@@ -48,7 +48,7 @@ def measure(gemm: Gemm, n: int, k: int, rows: list[int], copy: float, seed: int)
     w = random_bf16((n, k), seed)
     x = random_bf16((REFERENCE_ROWS, k), seed + 1)
     gemm.pin(n, k)
-    ref = gemm.matmul(x, w).copy_to_host()
+    ref = gemm.matmul(x, w).copy_to_host()  # M = 2048: the range past the buckets' pick, the reference's bits
     copies = [w] + [random_bf16((n, k), seed + 10 + i) for i in range(min(31, ROTATE_BYTES // (n * k * 2)))]
     floor_us = n * k * 2 / (copy * 1e9) * 1e6  # the roofline's convention (RESULTS.md): bytes over the copy rate
     result: dict = {"n": n, "k": k, "floor_us": round(floor_us, 2), "variants": {}}

@@ -4,7 +4,9 @@ For every (N, K) the numba-cuda backend multiplies by: pin a cuBLASLt algorithm
 (executor.numba_cuda.gemm), then check that rows computed with other row counts equal the
 same rows of an M = 2048 product bit for bit (`--sweep full`: M = 1..256 and several
 larger; `--sweep probe`: a few small M), and that the first 2048 rows of M = 4096 and
-M = 8192 products equal it too; time the pinned GEMM at M = 4096 (TFLOP/s) and the
+M = 8192 products equal it too; time the GEMM at M = 4096 (TFLOP/s: the algorithm of the
+range past the buckets, gemm.RANGES, which also gives the M = 2048 product; all bit-equal to
+the pinned reference) and the
 row-invariant decode GEMV at 1 / 4 / 16 rows (weight GB/s, against the device-to-device
 copy bandwidth measured first). Times are device times (launches queued behind a spin
 kernel, timed between events); small weights rotate over copies so the L2 cannot hold them.

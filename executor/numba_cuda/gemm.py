@@ -30,7 +30,8 @@ residual stream: the norm after it reads 6 bytes an element, not 14, and the GEM
 should give fma(1, acc, 1 * c) = round(acc + c), the bits of the separate fp32 add
 (`norms.add_rms_norm`'s x += delta); cuBLAS does not document its rounding, so
 `accumulates(n, k)` checks it on first use of a shape, for the reference algorithm and each
-bucket's at their probe row counts, on random values and values that cancel.
+bucket's at their probe row counts, on random values, values that cancel, subnormals and
+infinities (`accumulate_probe_c`).
 """
 
 from __future__ import annotations
@@ -432,35 +433,45 @@ class Gemm:
             chosen.append((hi, best))
             report.append({"rows": [lo, hi], "candidates": len(candidates), "bit_equal_candidates": equal, "reference_us": round(reference_s * 1e6, 1),
                            "chosen_us": round(best_s * 1e6, 1), "algo_id": int(best[0] & 0xFFFFFFFF)})
-        best, entry = self._large_algo(reference, host_x, w, weights)
+        best, entry = self._large_algo(reference, x, w, weights)
         chosen.append((LARGE, best))
         report.append(entry)
         self.pinned[(n, k)]["buckets"] = report
         return chosen
 
-    def _large_algo(self, reference: np.ndarray, host_x: np.ndarray, w, weights: list) -> tuple[np.ndarray, dict]:
+    def _large_algo(self, reference: np.ndarray, x, w, weights: list) -> tuple[np.ndarray, dict]:
         """The algorithm for every M past BUCKETS, and its report: the fastest at LARGE_ROWS
         rows (the pinning's x repeated) of the reference and the candidates (LARGE_ROWS'
         docstring) whose output equals the reference's bit for bit at every LARGE_PROBES row
-        count, compared on the device (`unequal_words`; no copy to the host)."""
-        n = w.shape[0]
-        lo = BUCKETS[-1][1] + 1
+        count and at LARGE_ROWS, compared on the device (`unequal_words`; nothing copied to the
+        host). Timed at LARGE_ROWS only: the pick also runs chunks of 1025-2047 rows, where it may
+        be a little slower than the reference (speed, not bits). Anything that fails on the way (an
+        allocation, the reference at LARGE_ROWS) leaves the reference, with the reason in the
+        report. x: the pinning's random bf16 device [REFERENCE_ROWS, K]; w: [N, K]."""
+        n, k = w.shape[0], x.shape[1]
+        entry = {"rows": [BUCKETS[-1][1] + 1, None], "algo_id": int(reference[0] & 0xFFFFFFFF)}
         if not self.large:
-            return reference, {"rows": [lo, None], "off": f"{LARGE_ENV}=0", "algo_id": int(reference[0] & 0xFFFFFFFF)}
+            return reference, entry | {"off": f"{LARGE_ENV}=0"}
         began = time.perf_counter()
-        x = to_device(host_x)
-        ref_out = empty((REFERENCE_ROWS, n), np.float32)
-        self._run(reference, x, w, ref_out)
-        out = empty((REFERENCE_ROWS, n), np.float32)
-        x_large = to_device(np.tile(host_x, (-(-LARGE_ROWS // host_x.shape[0]), 1))[:LARGE_ROWS])
-        out_large = empty((LARGE_ROWS, n), np.float32)
-        best, best_s = reference, self._seconds(reference, x_large, weights, out_large)
-        reference_s, equal = best_s, 0
         try:
-            candidates = [flip_swizzle(reference)] + self._candidates(n, x.shape[1], LARGE_ROWS)[:BUCKET_CANDIDATES]
-        except Exception:  # noqa: BLE001 - a shape the heuristic refuses: the reference alone
-            candidates = []
-        seen = {reference.tobytes()}
+            ref_out = empty((REFERENCE_ROWS, n), np.float32)
+            self._run(reference, x, w, ref_out)
+            out = empty((REFERENCE_ROWS, n), np.float32)
+            x_large = to_device(np.tile(x.copy_to_host(), (-(-LARGE_ROWS // REFERENCE_ROWS), 1))[:LARGE_ROWS])
+            ref_large, out_large = empty((LARGE_ROWS, n), np.float32), empty((LARGE_ROWS, n), np.float32)
+            reference_s = self._seconds(reference, x_large, weights, ref_large)  # leaves its product there
+        except Exception as exc:  # noqa: BLE001 - no memory, or the reference refuses LARGE_ROWS
+            return reference, entry | {"failed": repr(exc)}
+        candidates = []
+        try:
+            candidates.append(flip_swizzle(reference))
+        except Exception:  # noqa: BLE001 - no swizzle to flip: the heuristic's candidates alone
+            pass
+        try:
+            candidates += self._candidates(n, k, LARGE_ROWS)[:BUCKET_CANDIDATES]
+        except Exception:  # noqa: BLE001 - a shape the heuristic refuses
+            pass
+        best, best_s, equal, seen = reference, reference_s, 0, {reference.tobytes()}
         for algo in candidates:
             if algo.tobytes() in seen:
                 continue
@@ -472,17 +483,17 @@ class Gemm:
                     same = same and unequal_words(out[:m], ref_out[:m]) == 0
                 if not same:
                     continue
-                equal += 1
                 seconds = self._seconds(algo, x_large, weights, out_large)
+                if unequal_words(out_large, ref_large):
+                    continue
+                equal += 1
             except Exception:  # noqa: BLE001 - an algorithm that rejects these M is not used
                 continue
             if seconds < best_s:
                 best, best_s = algo, seconds
-        entry = {"rows": [lo, None], "timed_at": LARGE_ROWS, "candidates": len(seen) - 1,
-                 "bit_equal_candidates": equal, "reference_us": round(reference_s * 1e6, 1),
-                 "chosen_us": round(best_s * 1e6, 1), "algo_id": int(best[0] & 0xFFFFFFFF),
-                 "search_s": round(time.perf_counter() - began, 3)}
-        return best, entry
+        return best, entry | {"timed_at": LARGE_ROWS, "candidates": len(seen) - 1, "bit_equal_candidates": equal,
+                              "reference_us": round(reference_s * 1e6, 1), "chosen_us": round(best_s * 1e6, 1),
+                              "algo_id": int(best[0] & 0xFFFFFFFF), "search_s": round(time.perf_counter() - began, 3)}
 
     def _accumulate_failure(self, key: tuple[int, int], seed: int = 0) -> str:
         """The empty string when every algorithm that runs (N, K) (the reference at

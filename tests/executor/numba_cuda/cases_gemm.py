@@ -42,12 +42,13 @@ def test_the_range_past_the_buckets_is_probed_at_its_own_rows():
 
 def _fake(monkeypatch):
     """A Gemm whose algorithms (uint64[8], id in word 0) are NumPy products: id 7 adds one ulp
-    to one element at M = 1537 only, id 8 refuses every M, the rest give the reference's bits;
-    `_seconds` is the id's entry in `speed`."""
+    to one element at M = 1537 only, id 4 to one element of row 5000 at LARGE_ROWS only, id 8
+    refuses every M, the rest give the reference's bits; `_seconds` runs the product (at
+    LARGE_ROWS rows only) and says the id's entry in `speed`."""
     gemm = Gemm.__new__(Gemm)
     gemm.large = True
     algo = {i: np.full(8, i, np.uint64) for i in range(10)}
-    speed = {0: 5e-3, 1: 6e-3, 5: 3e-3, 6: 4e-3, 7: 1e-3, 8: 1e-3, 9: 2e-3}
+    speed = {0: 5e-3, 1: 6e-3, 4: 0.5e-3, 5: 3e-3, 6: 4e-3, 7: 1e-3, 8: 1e-3, 9: 2e-3}
 
     def run(a, x, w, out, stream=0, accumulate=False):
         if int(a[0]) == 8:
@@ -57,11 +58,18 @@ def _fake(monkeypatch):
         p = (xs @ ws.T).astype(np.float32)
         if int(a[0]) == 7 and x.shape[0] == 1537:
             p[1536, 3] = np.nextafter(p[1536, 3], np.float32(np.inf))
+        if int(a[0]) == 4 and x.shape[0] == LARGE_ROWS:
+            p[5000, 1] = np.nextafter(p[5000, 1], np.float32(np.inf))
         out.copy_to_device(p)
 
+    def seconds(a, x, weights, out):
+        assert x.shape[0] == LARGE_ROWS, "timed at LARGE_ROWS"
+        gemm._run(a, x, weights[0], out)
+        return speed[int(a[0])]
+
     gemm._run = run
-    gemm._seconds = lambda a, x, weights, out: speed[int(a[0])]
-    gemm._candidates = lambda n, k, m: [algo[i] for i in (6, 7, 8, 9, 0, 5)] if m == LARGE_ROWS else []
+    gemm._seconds = seconds
+    gemm._candidates = lambda n, k, m: [algo[i] for i in (6, 4, 7, 8, 9, 0, 5)] if m == LARGE_ROWS else []
     monkeypatch.setattr(gemm_module, "flip_swizzle", lambda a: algo[1])
     # the bit compare on the host here: the simulator runs unequal_words' threads one by one
     monkeypatch.setattr(gemm_module, "unequal_words", lambda a, b: int(np.count_nonzero(
@@ -72,21 +80,34 @@ def _fake(monkeypatch):
 def test_large_rows_run_the_fastest_bit_equal_algorithm(monkeypatch):
     """Of the reference (id 0, 5 ms), its swizzle flipped (id 1, 6 ms) and the heuristic's first
     BUCKET_CANDIDATES at LARGE_ROWS, the fastest whose rows equal the reference's at every
-    LARGE_PROBES count runs: not id 7 (one ulp at M = 1537, though fastest), not id 8 (refuses),
-    id 9 (2 ms) over 5 and 6; the reference again is not counted twice."""
+    LARGE_PROBES count and at LARGE_ROWS runs: not id 4 (one ulp in row 5000 of the LARGE_ROWS
+    product, fastest of all), not id 7 (one ulp at M = 1537), not id 8 (refuses), but id 9 (2 ms)
+    over 5 and 6; the reference again is not counted twice."""
     gemm, algo = _fake(monkeypatch)
     r = rng()
-    host_x = (r.standard_normal((gemm_module.REFERENCE_ROWS, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x = to_device((r.standard_normal((gemm_module.REFERENCE_ROWS, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16))
     w = to_device((r.standard_normal((16, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16))
-    best, entry = gemm._large_algo(algo[0], host_x, w, [w])
+    best, entry = gemm._large_algo(algo[0], x, w, [w])
     assert int(best[0]) == 9
     assert entry.pop("search_s") >= 0
-    assert entry == {"rows": [BUCKETS[-1][1] + 1, None], "timed_at": LARGE_ROWS, "candidates": 6,
+    assert entry == {"rows": [BUCKETS[-1][1] + 1, None], "timed_at": LARGE_ROWS, "candidates": 7,
                      "bit_equal_candidates": 4, "reference_us": 5000.0, "chosen_us": 2000.0, "algo_id": 9}
     # no faster equal candidate: the reference itself
-    gemm._seconds = lambda a, x, weights, out: 1e-3 if int(a[0]) in (0, 7, 8) else 9e-3
-    best, entry = gemm._large_algo(algo[0], host_x, w, [w])
+    slow = gemm._seconds
+    gemm._seconds = lambda a, x, weights, out: slow(a, x, weights, out) * 0 + (1e-3 if int(a[0]) in (0, 4, 7, 8) else 9e-3)
+    best, entry = gemm._large_algo(algo[0], x, w, [w])
     assert best is algo[0] and entry["algo_id"] == 0 and entry["bit_equal_candidates"] == 4
+    # the reference refusing LARGE_ROWS (or no memory for the search): the reference, and why
+    refusing = gemm._run
+
+    def run(a, x, w, out, stream=0, accumulate=False):
+        if x.shape[0] == LARGE_ROWS:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        refusing(a, x, w, out)
+
+    gemm._run = run
+    best, entry = gemm._large_algo(algo[0], x, w, [w])
+    assert best is algo[0] and "NOT_SUPPORTED" in entry["failed"] and "timed_at" not in entry
 
 
 def test_algo_for_gives_every_m_past_the_buckets_the_large_algorithm(monkeypatch):
@@ -111,5 +132,6 @@ def test_large_off_from_the_start_searches_nothing(monkeypatch):
     gemm, algo = _fake(monkeypatch)
     gemm.large = False
     gemm._candidates = gemm._seconds = None  # never asked
-    best, entry = gemm._large_algo(algo[0], np.zeros((gemm_module.REFERENCE_ROWS, 24), np.uint16), np.zeros((16, 24), np.uint16), [])
+    best, entry = gemm._large_algo(algo[0], to_device(np.zeros((gemm_module.REFERENCE_ROWS, 24), np.uint16)),
+                                   to_device(np.zeros((16, 24), np.uint16)), [])
     assert best is algo[0] and entry == {"rows": [BUCKETS[-1][1] + 1, None], "off": "WARMSTATE_GEMM_LARGE=0", "algo_id": 0}

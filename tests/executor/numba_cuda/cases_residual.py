@@ -57,12 +57,14 @@ def _fake_gemm(plant: str | None) -> Gemm:
     """A Gemm whose algorithms are NumPy products; `plant` breaks the accumulating one: "ulp"
     moves one element by one unit in the last place at M = 64, "lo" does so at M = 17 only (the
     bucket's lowest row count), "sign" computes -((-p) - c) (c + p but for an exact
-    cancellation, -0 for +0), "ftz" flushes subnormal C to zero, "raise" refuses beta = 1."""
+    cancellation, -0 for +0), "ftz" flushes subnormal C to zero, "inf" drops an infinite C,
+    "large" moves one element at M = 1537 with the range past the buckets' algorithm, "raise"
+    refuses beta = 1."""
     gemm = Gemm.__new__(Gemm)
     gemm.pinned, gemm.refused, gemm._accumulate = {(16, 32): {}}, {}, {}
-    reference, bucket = np.zeros(8, np.uint64), np.ones(8, np.uint64)
+    reference, bucket, large = np.zeros(8, np.uint64), np.ones(8, np.uint64), np.full(8, 2, np.uint64)
     gemm._algos = {(16, 32): reference}
-    gemm._buckets = {(16, 32): [(16, bucket), (64, bucket)]}
+    gemm._buckets = {(16, 32): [(hi, bucket) for _, hi in gemm_module.BUCKETS] + [(gemm_module.LARGE, large)]}
 
     def run(algo, x, w, out, stream=0, accumulate=False):
         xs = host(x).astype(np.uint32) << 16
@@ -77,6 +79,10 @@ def _fake_gemm(plant: str | None) -> Gemm:
         if plant == "ftz":  # an epilogue that flushes subnormal inputs to zero
             c = np.where(np.abs(c) < np.float32(2.0**-126), np.copysign(np.float32(0), c), c)
         got = -((-p) - c) if plant == "sign" else c + p
+        if plant == "inf":  # an epilogue that drops an infinite C
+            got = np.where(np.isinf(c), p, got)
+        if plant == "large" and algo is large and x.shape[0] == 1537:
+            got.reshape(-1)[5] = np.nextafter(got.reshape(-1)[5], np.float32(np.inf))
         if (plant == "ulp" and algo is bucket and x.shape[0] == 64) or (plant == "lo" and x.shape[0] == 17):
             got.reshape(-1)[7] = np.nextafter(got.reshape(-1)[7], np.float32(np.inf))
         out.copy_to_device(got)
@@ -87,7 +93,8 @@ def _fake_gemm(plant: str | None) -> Gemm:
 
 @pytest.mark.parametrize(("plant", "why"), [(None, ""), ("ulp", "at M=64: 1 of 1024 elements differ"),
                                             ("lo", "at M=17: 1 of 272 elements differ"), ("sign", "elements differ"),
-                                            ("ftz", "at M=51: "),
+                                            ("ftz", "at M=51: "), ("inf", "at M=51: "),
+                                            ("large", "algo 2 at M=1537: 1 of 24592 elements differ"),
                                             ("raise", "at M=1: RuntimeError")])
 def test_the_accumulate_check_runs_every_algorithm_at_its_probe_rows(plant, why):
     """`_accumulate_failure` runs the reference at ACCUMULATE_PROBE_ROWS and each bucket's

@@ -131,3 +131,31 @@ def test_a_bucket_algorithm_that_refuses_a_row_count_falls_back_to_the_reference
     with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
         gemm.matmul(np.zeros((7, 3), np.uint16), w, np.zeros((7, 4), np.float32))
     assert (7, 4, 3) not in gemm.refused
+
+
+def test_a_large_range_algorithm_that_refuses_a_row_count_falls_back_to_the_reference(monkeypatch):
+    """The range past the buckets (M > 1024) falls back like a bucket: an M its algorithm refuses
+    runs the reference from then on; other large Ms keep the range's algorithm."""
+    import numpy as np
+
+    from executor.numba_cuda import gemm as gemm_module
+
+    monkeypatch.setattr(gemm_module, "IS_SIMULATOR", False)
+    reference, large = np.zeros(8, np.uint64), np.full(8, 2, np.uint64)
+    gemm = gemm_module.Gemm.__new__(gemm_module.Gemm)
+    gemm.pinned, gemm.refused, gemm.large = {}, {}, True
+    gemm._algos = {(4, 3): reference}
+    gemm._buckets = {(4, 3): [(hi, np.ones(8, np.uint64)) for _, hi in gemm_module.BUCKETS] + [(gemm_module.LARGE, large)]}
+    ran = []
+
+    def run(algo, x, w, out, stream=0, accumulate=False):
+        if algo is large and x.shape[0] == 3000:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        ran.append((x.shape[0], "reference" if algo is reference else "large" if algo is large else "bucket"))
+
+    gemm._run = run
+    w = np.zeros((4, 3), np.uint16)
+    for m in (3000, 3000, 2000, 1024):
+        gemm.matmul(np.zeros((m, 3), np.uint16), w, np.zeros((m, 4), np.float32))
+    assert ran == [(3000, "reference"), (3000, "reference"), (2000, "large"), (1024, "bucket")]
+    assert list(gemm.refused) == [(3000, 4, 3)]

@@ -659,7 +659,7 @@ def test_gemm_rows_are_the_reference_algorithm_s_at_every_row_count(preset_name,
     wide-pool algorithm at 51 rows was 1.6-2.6x faster than the heuristic's own in session 17.)"""
     from executor.numba_cuda.device import empty, to_device
     from executor.numba_cuda.device_weights import matrix_shapes
-    from executor.numba_cuda.gemm import BUCKET_CANDIDATES, RANGES, Gemm
+    from executor.numba_cuda.gemm import BUCKET_CANDIDATES, LARGE_ROWS, RANGES, Gemm
     from executor.presets import preset
 
     n, k = (matrix_shapes(preset(preset_name), LINEAR) | matrix_shapes(preset(preset_name), FULL))[matrix]
@@ -667,11 +667,13 @@ def test_gemm_rows_are_the_reference_algorithm_s_at_every_row_count(preset_name,
     bits = lambda shape: (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
     x, w = bits((4100, k)), to_device(bits((n, k)))
     gemm = Gemm()
+    gemm.large = True  # the search runs whatever WARMSTATE_GEMM_LARGE says
     reference = empty((4100, n), np.float32)
     gemm._run(gemm.pin(n, k), to_device(x), w, reference)
     full = reference.copy_to_host()
     buckets = gemm.pinned[(n, k)]["buckets"]
     assert len(buckets) == len(RANGES) and buckets[-1]["rows"] == [RANGES[-1][0], None], buckets[-1]
+    assert buckets[-1]["timed_at"] == LARGE_ROWS and buckets[-1]["candidates"] >= 1, buckets[-1]  # it searched
     assert buckets[1]["candidates"] > BUCKET_CANDIDATES, buckets[1]  # the wide pool asked more than one shape
     for m in (*range(1, 65), 65, 100, 255, 256, 257, 500, 1023, 1024, 1025, 1100, 2048, 4099, 4100):
         part = gemm.matmul(to_device(x[-m:]), w).copy_to_host()
