@@ -24,6 +24,7 @@ import contextlib
 import gc
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ import attrs
 import numpy as np
 
 from executor.config import FULL, Qwen35Config, to_hf_dict
+from executor.numba_cuda import attention_flash
 from executor.numba_cuda import backend as nb_backend
 from executor.numba_cuda import device_weights
 from executor.numba_cuda.backend import NumbaCudaBackend
@@ -70,6 +72,11 @@ class BenchConfig:
     gemm_large: tuple[bool, ...] = ()
     """Gemm.large settings (rows > 1024 on the fastest bit-equal cuBLASLt algorithm, or on the
     reference) to time side by side (empty: the backend's own, on unless WARMSTATE_GEMM_LARGE=0)."""
+    flash_lookahead: tuple[bool, ...] = ()
+    """NumbaCudaBackend.flash_lookahead settings (prefill attention's wgmma walk in FlashAttention-3's
+    order, or the backend's walk) to time side by side (empty: the backend's own, off unless
+    WARMSTATE_FLASH_LOOKAHEAD=1). "on" needs `attention_flash.lookahead_status()` None (its bit
+    check passed): `run` sets WARMSTATE_FLASH_LOOKAHEAD=1 and stops with the reason if not."""
     ttft_repeats: int = 3
     """Prefills a TTFT is the median of (each from an empty state; `ttft_runs_s` keeps them all)."""
 
@@ -395,23 +402,31 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     chosen, chosen_delta = backend.prefill_attention, backend.prefill_delta
     result["prefill_delta"] = {"kind": chosen_delta, "passed_over": backend.delta_failures}
     chosen_accumulate, chosen_large = backend.residual_accumulate, backend.gemm.large
+    chosen_lookahead = attention_flash.lookahead_status() is None
+    if True in cfg.flash_lookahead and not chosen_lookahead:
+        raise RuntimeError(f"--flash-lookahead on: {attention_flash.lookahead_status()}")
     settings = list(itertools.product(cfg.prefill_attention or (chosen,), cfg.prefill_delta or (chosen_delta,),
-                                      cfg.residual_accumulate or (chosen_accumulate,), cfg.gemm_large or (chosen_large,)))
+                                      cfg.residual_accumulate or (chosen_accumulate,), cfg.gemm_large or (chosen_large,),
+                                      cfg.flash_lookahead or (chosen_lookahead,)))
     for rows in prefill_rows:
-        for path, delta, accumulate, large in settings:
+        for path, delta, accumulate, large, lookahead in settings:
             backend.set_prefill_attention(path, after_prefill=True)
             backend.set_prefill_delta(delta, after_prefill=True)
             backend.residual_accumulate, backend.gemm.large = accumulate, large
+            backend.flash_lookahead = lookahead
             prefill_ours(backend, min(rows, 1024), attrs.evolve(cfg, ttft_repeats=1), False)  # these paths' kernels compiled and warm
             r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
             r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
             r["attention"], r["delta"], r["accumulate"], r["gemm_large"] = path, delta, accumulate, large
+            r["flash_lookahead"] = lookahead
             result["prefill"].append(r)
             log(f"{name} prefill {rows} ({_setting(r)}): TTFT {r['ttft_s']:.3f} s (runs {r['ttft_runs_s']})")
     backend.gemm.large = chosen_large
     backend.set_prefill_attention(chosen, after_prefill=True)
     backend.set_prefill_delta(chosen_delta, after_prefill=True)
     backend.residual_accumulate = chosen_accumulate
+    backend.flash_lookahead = None
+    result["flash_lookahead"] = attention_flash.lookahead_status() or "on"
     result["accumulate_refused"] = {f"{n}x{k}": why for (n, k), why in backend.accumulate_refused.items()}
     result["gemm_large"] = {f"{n}x{k}": pinned["buckets"][-1] for (n, k), pinned in backend.gemm.pinned.items()
                             if pinned.get("buckets")}
@@ -453,7 +468,8 @@ def _on_off(value) -> str:
 def _setting(r: dict) -> str:
     """A prefill row's paths and switches, as the log and the profile lines name them."""
     return (f"{r.get('attention', '-')} attention, {r.get('delta', '-')} delta rule, residual accumulate "
-            f"{_on_off(r.get('accumulate'))}, large-M GEMM {_on_off(r.get('gemm_large'))}")
+            f"{_on_off(r.get('accumulate'))}, large-M GEMM {_on_off(r.get('gemm_large'))}, "
+            f"lookahead {_on_off(r.get('flash_lookahead'))}")
 
 
 def tables(results: dict) -> str:
@@ -471,14 +487,14 @@ def tables(results: dict) -> str:
                      _ratio(peer, r["graph_s"], ".2f") + ("x" if peer else ""), _ratio(lanes, r["full_roof_s"], ".1f"),
                      _ratio(r["full_roof_s"], r["graph_s"], ".0%")]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
-    lines += ["", "| model | prompt rows | attention | delta rule | residual accumulate | large-M GEMM | ours TTFT s "
-              "(median) | ours rows/s | peer TTFT s | matrix roofline TTFT s | ours / roofline | ours / peer |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | prompt rows | attention | delta rule | residual accumulate | large-M GEMM | lookahead | "
+              "ours TTFT s (median) | ours rows/s | peer TTFT s | matrix roofline TTFT s | ours / roofline | ours / peer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["presets"].items():
         for r in p["prefill"]:
             peer = r.get("peer_ttft_s")
             cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), _on_off(r.get("accumulate")),
-                     _on_off(r.get("gemm_large")), f"{r['ttft_s']:.3f}",
+                     _on_off(r.get("gemm_large")), _on_off(r.get("flash_lookahead")), f"{r['ttft_s']:.3f}",
                      _ratio(r["rows"], r["ttft_s"], ".0f"),
                      "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
                      _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
@@ -553,6 +569,11 @@ def main() -> None:
                              "on the fastest cuBLASLt algorithm bit-equal to the reference, or on the reference "
                              "(default: the backend's, on unless WARMSTATE_GEMM_LARGE=0; with that set there is "
                              "no pick, and on runs the reference too: the JSON's gemm_large says)")
+    parser.add_argument("--flash-lookahead", default="",
+                        help="prefill attention walk orders to time side by side, comma-separated, from on,off: "
+                             "on runs the wgmma walk in FlashAttention-3's order (the same bits; sets "
+                             "WARMSTATE_FLASH_LOOKAHEAD=1 and stops if its bit check fails), off the backend's "
+                             "walk (default: the backend's, off unless WARMSTATE_FLASH_LOOKAHEAD=1)")
     parser.add_argument("--ttft-repeats", type=int, default=defaults.ttft_repeats,
                         help=f"prefills a TTFT is the median of (default {defaults.ttft_repeats})")
     args = parser.parse_args()
@@ -579,7 +600,8 @@ def main() -> None:
         unknown = set(changes["prefill_delta"]) - {"mma", "cuda-core"}
         if unknown:
             parser.error(f"--prefill-delta: unknown paths {sorted(unknown)} (mma, cuda-core)")
-    for flag, field in (("--residual-accumulate", "residual_accumulate"), ("--gemm-large", "gemm_large")):
+    for flag, field in (("--residual-accumulate", "residual_accumulate"), ("--gemm-large", "gemm_large"),
+                        ("--flash-lookahead", "flash_lookahead")):
         value = getattr(args, field)
         if value:
             settings = value.split(",")
@@ -588,6 +610,8 @@ def main() -> None:
                 parser.error(f"{flag}: unknown settings {sorted(unknown)} (on, off)")
             changes[field] = tuple(v == "on" for v in settings)
     changes["ttft_repeats"] = args.ttft_repeats
+    if True in changes.get("flash_lookahead", ()):
+        os.environ["WARMSTATE_FLASH_LOOKAHEAD"] = "1"  # before the backend decides lookahead_status
     cfg = attrs.evolve(defaults, **changes)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """The backend's prefill attention walks side by side, and the wgmma experiments of
 bench/flash_wgmma.cu: the mma.sync walk (`attention_flash.prefill(..., wgmma=False)`, 8 warps, not
 split) against the backend's wgmma walk (`wgmma=True`: executor/numba_cuda/flash_wgmma.cu, K/V in
-the 128-byte swizzle, copied by cp.async and by TMA) and the experiments named by --kernels
+the 128-byte swizzle, copied by cp.async and by TMA, and its FlashAttention-3-order `lookahead` walk) and the
+experiments named by --kernels
 (`walk`, 8 warps, Q in registers, K/V as no-swizzle core matrices; `walk-late`, its copies after
 P V; `walk-fixed`, also with fixed copy addresses; `pingpong`, walk with its warpgroups taking turns on the tensor cores; `swz-pingpong`,
 the backend's walk taking turns so (session 28: 0.94x at the 9B's long chunks); `walk-heads`,
@@ -153,10 +154,10 @@ def main(argv: list[str] | None = None) -> None:
                                                       wgmma=False, meta=meta))
         a = ref.copy_to_host()
         print(f"| {model} | {rows} at {start} | mma.sync walk | {t_ref:.3f} | 1 | {flops / t_ref / 1e9:.0f} | |")
-        for label, tma in (("cp.async", False), ("TMA", True)):
+        for label, tma, lookahead in (("cp.async", False, False), ("TMA", True, False), ("lookahead", False, True)):
             out = cuda.device_array((rows, q_heads * d), np.uint16)
             t_new = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=out, split=False, wgmma=True,
-                                                          meta=meta, tma=tma))
+                                                          meta=meta, tma=tma, lookahead=lookahead))
             diff = int((a != out.copy_to_host()).sum())
             print(f"| {model} | {rows} at {start} | **wgmma walk, {label} (backend)** | {t_new:.3f} | "
                   f"{t_ref / t_new:.2f}x | {flops / t_new / 1e9:.0f} | "

@@ -181,7 +181,7 @@ def split_segments(rows: int, q_heads: int, kv_heads: int, head_dim: int, keys: 
 
 def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, warps: int | None = None,
             meta=None, stages: int | None = None, split: bool | None = None, keys: int | None = None,
-            wgmma: bool | None = None, tma: bool | None = None):
+            wgmma: bool | None = None, tma: bool | None = None, lookahead: bool | None = None):
     """out = bf16(sigmoid_gate(attention(q, K, V), gate)) for rows at positions start,
     start + 1, ... of stream `slot`, each against keys [0, its position].
 
@@ -211,7 +211,10 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     raises RuntimeError naming why where it cannot run. Split chunks and other head_dims ignore it.
     tma: a wgmma walk copies its K/V blocks by TMA (attention_wgmma.TMA_KERNEL: the same bits) when
     True, by cp.async when False, and when None by TMA if `tma_status()` is None (opt-in:
-    WARMSTATE_FLASH_TMA=1).
+    WARMSTATE_FLASH_TMA=1). lookahead: a wgmma walk runs in FlashAttention-3's order
+    (attention_wgmma.LOOKAHEAD_KERNEL, K/V by cp.async whatever tma says: the same bits) when True,
+    not when False, and when None if `lookahead_status()` is None (opt-in:
+    WARMSTATE_FLASH_LOOKAHEAD=1).
     """
     check("q", q, np.float32, 3)
     check("qg", qg, np.float32, 2)
@@ -261,7 +264,8 @@ def prefill(q, qg, kcache, vcache, slot: int, start: int, out=None, stream=0, wa
     if not split and head_dim == attention_wgmma.HEAD_DIM and wgmma is not False:
         if wgmma or wgmma_status() is None:  # True: attention_wgmma raises where it cannot run
             attention_wgmma.launch(q, qg, kcache, vcache, slot_bytes, out, meta, rows, q_heads, kv_heads, scale,
-                                   stream, tma=tma_status() is None if tma is None else tma)
+                                   stream, tma=tma_status() is None if tma is None else tma,
+                                   lookahead=lookahead_status() is None if lookahead is None else lookahead)
             return out  # before `kernel`: no mma.sync variant compiled for a chunk that walks on wgmma
     if warps is None:
         warps = 4 if head_dim == 256 and (split or rows * group <= SHORT_VIRTUAL_ROWS) else WARPS.get(head_dim)
@@ -327,9 +331,31 @@ def tma_status() -> str | None:
         return f"{type(exc).__name__}: {str(exc)[-300:]}"
 
 
-def _wgmma_check(tma: bool = False) -> str | None:
-    """`wgmma_status`'s bit check (tma: `tma_status`'s, the TMA walk): None when the wgmma walk
-    gives every bit of the mma.sync walk."""
+LOOKAHEAD_OFF = ("off by default (WARMSTATE_FLASH_LOOKAHEAD=1 turns it on; not yet run on a GPU: "
+                 "bench/RESULTS.md, session 33)")
+"""`lookahead_status` without WARMSTATE_FLASH_LOOKAHEAD=1."""
+
+
+@functools.cache
+def lookahead_status() -> str | None:
+    """None when a wgmma walk runs in FlashAttention-3's order (attention_wgmma.LOOKAHEAD_KERNEL),
+    else why not: not asked for (LOOKAHEAD_OFF: WARMSTATE_FLASH_LOOKAHEAD=1 asks), the wgmma walk
+    does not run here (`wgmma_status`), the check raised, or the lookahead walk's bits differ from
+    the mma.sync walk's on `wgmma_status`'s check. Decided once a process."""
+    if os.environ.get("WARMSTATE_FLASH_LOOKAHEAD", "0").strip() != "1":
+        return LOOKAHEAD_OFF
+    why = wgmma_status()
+    if why is not None:
+        return f"no wgmma walk: {why}"
+    try:
+        return _wgmma_check(lookahead=True)
+    except Exception as exc:  # noqa: BLE001 - the driver or the check: the backend's walk runs
+        return f"{type(exc).__name__}: {str(exc)[-300:]}"
+
+
+def _wgmma_check(tma: bool = False, lookahead: bool = False) -> str | None:
+    """`wgmma_status`'s bit check (tma: `tma_status`'s, the TMA walk; lookahead:
+    `lookahead_status`'s): None when the wgmma walk gives every bit of the mma.sync walk."""
     rng = np.random.default_rng(27)
     d, q_heads, capacity = attention_wgmma.HEAD_DIM, 4, 512
     caches = (rng.standard_normal((2, 2, capacity, 1, d)) * 2).astype(np.float32)
@@ -338,9 +364,10 @@ def _wgmma_check(tma: bool = False) -> str | None:
         q = cuda.to_device((rng.standard_normal((rows, q_heads, d)) * 3).astype(np.float32))
         qg = cuda.to_device(rng.standard_normal((rows, q_heads * 2 * d)).astype(np.float32))
         want = prefill(q, qg, *bits, 1, start, split=False, wgmma=False).copy_to_host()
-        got = prefill(q, qg, *bits, 1, start, split=False, wgmma=True, tma=tma).copy_to_host()
+        got = prefill(q, qg, *bits, 1, start, split=False, wgmma=True, tma=tma, lookahead=lookahead).copy_to_host()
         if (want != got).any():
-            return (f"the wgmma walk's{' (TMA)' if tma else ''} bits differ from the mma.sync walk's "
+            kind = " (lookahead)" if lookahead else " (TMA)" if tma else ""
+            return (f"the wgmma walk's{kind} bits differ from the mma.sync walk's "
                     f"({int((want != got).sum())} of {want.size} at {rows} rows from {start})")
     return None
 

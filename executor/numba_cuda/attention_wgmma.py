@@ -9,13 +9,18 @@ builds, and a check of every bit against the mma.sync walk on random inputs pass
 bench/RESULTS.md, session 27: 1.4-1.8x the mma.sync walk on the 9B's 4096-8192-row chunks,
 1.7-1.8x and 360-370 TFLOP/s at 8192 rows from 24,576 keys.
 
-Two launchable walks: KERNEL copies each (K, V) block with cp.async, 8 copies of 16 bytes a
+Three launchable walks: KERNEL copies each (K, V) block with cp.async, 8 copies of 16 bytes a
 thread; TMA_KERNEL has one thread copy it by TMA (4 boxes of 64 dims x 32 keys each for K and V,
 through `tensor_map`s of the caches) against an mbarrier per ring stage. The same products in the
 same order: the same bits. TMA is opt-in (WARMSTATE_FLASH_TMA=1; attention_flash.tma_status checks
 its bits before first use): on the H200 it ran 0.97-0.98x of the cp.async walk at the 9B's
 8192-row chunks from 16,384 and 24,576 keys and 1.0x from 0 (bench/RESULTS.md, session 29): the
-copies were not what bounds the walk.
+copies were not what bounds the walk. LOOKAHEAD_KERNEL is KERNEL's walk in FlashAttention-3's
+order (the tensor cores run the next block's S and this block's P V while the warps work out the
+next block's softmax; KERNEL waits for each S before its softmax, so the two alternate): opt-in
+too (WARMSTATE_FLASH_LOOKAHEAD=1, attention_flash.lookahead_status), written without a GPU in
+session 33 and checked only on the CPU (NVRTC's ptxas and cuobjdump's SASS:
+tests/executor/numba_cuda/test_cuda_sass.py).
 
 Not available under the CUDA simulator (no NVRTC, no wgmma) or without cuda-bindings.
 """
@@ -35,6 +40,11 @@ KERNEL = "flash_wgmma_prefill_256"
 """The launchable walk's name in the cubin (K/V blocks by cp.async)."""
 TMA_KERNEL = "flash_wgmma_tma_prefill_256"
 """The launchable walk with its K/V blocks by TMA."""
+LOOKAHEAD_KERNEL = "flash_wgmma_lookahead_prefill_256"
+"""The launchable walk in FlashAttention-3's intra-warpgroup order (`lookahead_walk` in the source:
+S of the next key block and P V of this one on the tensor cores while the warps work out the next
+block's probabilities; one CTA barrier a block): the same products and softmax in the same order,
+so the same bits. Opt-in (attention_flash.lookahead_status); not yet run on a GPU (session 33)."""
 HEAD_DIM = 256
 """The only head_dim the walk is built for (every Qwen3.5 attention layer's)."""
 THREADS = 256
@@ -48,6 +58,9 @@ SHARED_BYTES = STAGES * 2 * 32 * HEAD_DIM * 2 + 8 * 16 * HEAD_DIM * 4 + 1024
 the ring's 1024-byte alignment (the 128-byte swizzle): 230,400 bytes of the 232,448 an SM has."""
 TMA_SHARED_BYTES = SHARED_BYTES + 64
 """TMA_KERNEL's: SHARED_BYTES and the ring's STAGES mbarriers (8 bytes each)."""
+LOOKAHEAD_SHARED_BYTES = SHARED_BYTES + 8 * 16 * 2 * 4
+"""LOOKAHEAD_KERNEL's: SHARED_BYTES and the 8 warps' running (M, L) of their 16 rows (f32), kept out of
+its registers: 231,424 bytes of the 232,448 an SM has."""
 BOX_KEYS = 32
 """Keys a TMA box (a K/V block: flash_attention.cu's BN)."""
 
@@ -93,6 +106,7 @@ def module():
     built = Module(cubin)
     built.function(KERNEL, SHARED_BYTES)
     built.function(TMA_KERNEL, TMA_SHARED_BYTES)
+    built.function(LOOKAHEAD_KERNEL, LOOKAHEAD_SHARED_BYTES)
     return built
 
 
@@ -148,14 +162,20 @@ def _tensor_map(address: int, rows: int, kv_heads: int):
 
 
 def launch(q, qg, kcache, vcache, slot_bytes: int, out, meta, rows: int, q_heads: int, kv_heads: int,
-           scale: float, stream=0, tma: bool = False) -> None:
+           scale: float, stream=0, tma: bool = False, lookahead: bool = False) -> None:
     """The walk for a chunk of `rows` rows (a grid of its tiles; meta, i32 device [3] = (rows in
     use <= rows, start, slot), is read on the device). Arguments as attention_flash.prefill checks
     them: q f32 [rows, q_heads, 256], qg f32 [rows, q_heads * 512], kcache / vcache uint16 [slots,
     capacity, kv_heads, 256] (slot_bytes = capacity * kv_heads * 512), out uint16 [rows, q_heads *
-    256]. tma: TMA_KERNEL (the caches through `tensor_map`) instead of KERNEL; the same bits.
+    256]. tma: TMA_KERNEL (the caches through `tensor_map`) instead of KERNEL; lookahead:
+    LOOKAHEAD_KERNEL (K/V by cp.async; it wins over tma); the same bits from all three.
     Raises RuntimeError where the walk cannot run (`module`, `tensor_map`) or the launch fails."""
     tiles = -(-rows * (q_heads // kv_heads) // TILE_ROWS)
+    if lookahead:
+        module().launch(LOOKAHEAD_KERNEL, (tiles, kv_heads), THREADS, LOOKAHEAD_SHARED_BYTES, q, qg, kcache, vcache,
+                        np.int64(slot_bytes), out, meta, q_heads, kv_heads, np.float32(scale), wait=False,
+                        stream=stream)
+        return
     if tma:
         module().launch(TMA_KERNEL, (tiles, kv_heads), THREADS, TMA_SHARED_BYTES, tensor_map(kcache),
                         tensor_map(vcache), q, qg, int(kcache.shape[1]), out, meta, q_heads, kv_heads,

@@ -146,6 +146,12 @@ class NumbaCudaBackend:
         captured with (`enable_prefill_graphs` again to change it there)."""
         self.accumulate_refused: dict[tuple[int, int], str] = {}
         """(N, K) -> why that projection shape gives its product to the norm instead (logged once)."""
+        self.flash_lookahead: bool | None = None
+        """Prefill attention's wgmma walk in FlashAttention-3's order (attention_wgmma.LOOKAHEAD_KERNEL)
+        when True, the backend's walk when False, and when None as `attention_flash.lookahead_status`
+        decides (opt-in: WARMSTATE_FLASH_LOOKAHEAD=1). The same bits either way; for benchmarks
+        (`bench.decode_prefill --flash-lookahead off,on`). Read at launch time, like
+        `residual_accumulate`."""
 
     def enable_prefill_graphs(self, buckets: Sequence[int] | None = None, prune: bool = True) -> bool:
         """Make `prefill` replay CUDA graphs for chunks of at most max(buckets) rows
@@ -238,8 +244,10 @@ class NumbaCudaBackend:
             else:
                 wgmma = attention_flash.wgmma_status()
             tma = attention_flash.tma_status() if wgmma is None else "no wgmma walk"
+            lookahead = attention_flash.lookahead_status() if wgmma is None else "no wgmma walk"
             log.info("prefill_attention", path=self._prefill_attention, passed_over=self.attention_failures,
-                     wgmma_walk="on" if wgmma is None else f"off: {wgmma}", tma="on" if tma is None else f"off: {tma}")
+                     wgmma_walk="on" if wgmma is None else f"off: {wgmma}", tma="on" if tma is None else f"off: {tma}",
+                     lookahead="on" if lookahead is None else f"off: {lookahead}")
         return self._prefill_attention
 
     @prefill_attention.setter
@@ -411,7 +419,7 @@ class NumbaCudaBackend:
             # keys: an eager chunk's own (its split holds partials for them alone), a captured one's
             # (padded) any row's up to the capacity, as its replays start anywhere
             out = attention_flash.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream, meta=meta,
-                                          keys=None if padded else max_pos + 1)
+                                          keys=None if padded else max_pos + 1, lookahead=self.flash_lookahead)
         elif self._prefill_attention == "matrix":
             out = self.matrix_attention.prefill(q, qg, kc, vc, at[0], at[1] + first, stream=stream)
         else:

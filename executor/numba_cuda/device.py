@@ -415,6 +415,8 @@ class DevicePool:
         with self._lock:
             free, retired = self._free, self._retired
             self._free, self._retired, self.cached_bytes = {}, [], 0
+        if IS_SIMULATOR:  # nothing allocated, and its context has no deallocation queue
+            return
         cuda.synchronize()
         for ptrs in (retired, *free.values()):
             for ptr in ptrs:

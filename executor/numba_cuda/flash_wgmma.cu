@@ -372,6 +372,179 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     write_gated<D>(out, qg, total, L, c.warp_first, c.g, c.t, c.vrows, c.group, c.h, q_heads);
 }
 
+// `lookahead`: the backend's walk (wgmma_walk) in FlashAttention-3's intra-warpgroup order (Shah et
+// al., 2024, "FlashAttention-3", arXiv:2407.08608, section 3.2, Algorithm 2): the tensor cores run
+// S_{b+1} = Q K_{b+1}^T and P_b V_b while the warps work out block b + 1's probabilities. Block b
+// (S_b done and P_b worked out in the step before; P_{b-1} V_{b-1} done):
+//   1. the copy group G_b = {K_{b+1}, V_b} in (cp.async wait, proxy fence) and ONE CTA barrier:
+//      every thread's part of G_b is in, and every warpgroup is done with K_b and V_{b-1};
+//   2. G_{b+2} = {K_{b+3}, V_{b+2}} copied into K_b's and V_{b-1}'s slots;
+//   3. S_{b+1} issued, then P_b V_b, each its own wgmma group (S_{b+1} also past the last block, on a
+//      stale slot, never read: a wgmma under a branch is serialized by ptxas, C7518);
+//   4. wait for S_{b+1} only; block b + 1's scale, mask, max, P and l (block_probs), under P_b V_b;
+//   5. wait for P_b V_b; O's rescale by block b + 1's alpha (rescale).
+// After a segment's last block (and the last block), step 4 waits for both, folds the segment and
+// then works out block b + 1 (the first of the next segment). O is read only after the wait that
+// retires its P V (else ptxas serializes every wgmma, C7514), and P_b's registers are not written
+// while P_b V_b reads them (block b + 1's P goes to other registers).
+// K and V have their own slots (K_j and V_j in stage j % 3's halves, as the backend's ring), so K
+// runs a block ahead of V in the same 96 KB ring, and a block needs one barrier, not two. Every
+// product, its operands and its order, and every softmax and fold operation are the backend walk's,
+// in the same order per row: every output bit the same. Opt-in (attention_wgmma.LOOKAHEAD_KERNEL,
+// WARMSTATE_FLASH_LOOKAHEAD=1); written in session 33 without a GPU, its SASS checked on the CPU
+// (tests/executor/numba_cuda/test_cuda_sass.py): not yet run.
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// wg_wait0 placed after the work that computes x. ptxas schedules a WARPGROUP.DEPBAR as early as it
+// can (it reads no register), so a wait written after the softmax ran before it, in SASS, and
+// nothing overlapped (session 33, cuobjdump -sass). A branch on x pins it: both paths wait, and x
+// never has the bits 0xffffffff (x = l, a sum of products: a NaN from arithmetic is 0x7fffffff),
+// so every thread of the warpgroup takes the first path, as wgmma.wait_group's .aligned asks.
+__device__ __forceinline__ void wg_wait0_after(float x) {
+    if (__float_as_uint(x) != 0xffffffffu)
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    else
+        asm volatile("wgmma.wait_group.sync.aligned 0;  // the same wait, never taken" ::: "memory");
+}
+
+template <int D, int BN, int STAGES>
+__device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
+                                               bf16_t* out, int rows, int start, int q_heads, int kv_heads,
+                                               float scale) {
+    static_assert(STAGES == 3, "K_{b+3} goes into K_b's slot and V_{b+2} into V_{b-1}'s");
+    constexpr int WARPS = 8;
+    constexpr int THREADS = WARPS * 32;
+    constexpr u32 BLOCK_BYTES = BN * D * 2;
+    constexpr u32 RING_BYTES = 2 * STAGES * BLOCK_BYTES;
+    WalkWarp<D, BN, WARPS> w(q, rows, start, q_heads, kv_heads, scale);
+    const Tile<WARPS, BN>& c = w.c;
+    if (c.empty) return;
+    const size_t row_stride = (size_t)kv_heads * D;
+    const bf16_t* kbase = kc + (size_t)c.h * D;
+    const bf16_t* vbase = vc + (size_t)c.h * D;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    const u32 base = smem_addr(smem_bytes);
+    const u32 ring0 = base + ((1024 - (base & 1023)) & 1023);  // 1 KB more is launched
+    float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + RING_BYTES), c.warp,
+                                    c.lane);
+    const int last = c.blocks;
+    auto k_slot = [&](int block) { return ring0 + 2u * (block % STAGES) * BLOCK_BYTES; };
+    auto v_slot = [&](int block) { return ring0 + 2u * (block % STAGES) * BLOCK_BYTES + BLOCK_BYTES; };
+    auto load_group = [&](int j) {  // G_j = {K_{j+1}, V_j}: one copy group, empty past the last block
+        if (j + 1 < last) load_block_swizzled<D, BN, THREADS>(k_slot(j + 1), kbase, row_stride, j + 1);
+        if (j >= 0 && j < last) load_block_swizzled<D, BN, THREADS>(v_slot(j), vbase, row_stride, j);
+        commit();
+    };
+    float s[BN / 8][4];  // S of the block after the one whose P V runs
+    auto issue_scores = [&](int b) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k)  // k-step k: chunk k / 4, 32 bytes a step inside it
+            wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), w.qf[k],
+                    wg_desc_128b(k_slot(b) + (k / 4) * BN * 128 + (k % 4) * 32, 16, 1024));
+        wg_commit();
+    };
+    u32 pn[BN / 16][4];  // P of the next block, as block_probs gives it
+    float alpha[2];
+    auto probs = [&](int b) {  // block b's softmax, but for O's rescale (S_b in s)
+        block_probs<BN>(pn, alpha, s, w.m, w.l, c.pos, b, b >= c.unmasked, w.scale2, c.t);
+    };
+    // the running (M, L) of the warp's 16 rows in shared memory after the O totals (1 KB in all; out
+    // of the registers, which the walk needs all of): row r's at ml[2 r], ml[2 r + 1]; each quad's
+    // four threads hold the same values, its thread t = 0 writes them
+    float* ml = reinterpret_cast<float*>(smem_bytes + (ring0 - base) + RING_BYTES + WARPS * 16 * D * 4) + c.warp * 32;
+    if (c.t == 0) {
+        ml[2 * c.g] = ml[2 * (c.g + 8)] = NEG_INF;
+        ml[2 * c.g + 1] = ml[2 * (c.g + 8) + 1] = 0.0f;
+    }
+    __syncwarp();
+    auto fold_segment = [&]() {
+        float M[2] = {ml[2 * c.g], ml[2 * (c.g + 8)]}, L[2] = {ml[2 * c.g + 1], ml[2 * (c.g + 8) + 1]};
+        fold_into_total<D>(total, M, L, w.acc, w.m, w.l);
+        __syncwarp();
+        if (c.t == 0) {
+            ml[2 * c.g] = M[0];
+            ml[2 * (c.g + 8)] = M[1];
+            ml[2 * c.g + 1] = L[0];
+            ml[2 * (c.g + 8) + 1] = L[1];
+        }
+        __syncwarp();
+    };
+    load_group(-1);  // K_0
+    load_group(0);   // K_1, V_0
+    load_group(1);   // K_2, V_1
+    wait_groups<2>();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    issue_scores(0);
+    wg_wait0();
+    wg_keep<BN / 2>(&s[0][0]);
+    probs(0);
+    rescale<D>(w.acc, alpha);
+    for (int b = 0; b < last; ++b) {
+        wait_groups<1>();  // G_b in (G_{b+1} may not be)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
+        __syncthreads();
+        load_group(b + 2);
+        u32 pf[BN / 16][4];
+#pragma unroll
+        for (int k = 0; k < BN / 16; ++k)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)  // a real copy: P V's A registers must not be the next P's (C7513)
+                asm volatile("mov.b32 %0, %1;" : "=r"(pf[k][e]) : "r"(pn[k][e]));
+        issue_scores(b + 1);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < BN / 16; ++k)  // keys 16 k..: the next 64 dims BN * 128 bytes on, 8 keys 1024
+            wgmma_o(reinterpret_cast<float(&)[D / 2]>(w.acc), pf[k], wg_desc_128b(v_slot(b) + k * 2048, BN * 128, 1024));
+        wg_commit();
+        if ((b + 1) % SEG_BLOCKS != 0 && b + 1 < last) {  // block b + 1 in the same segment
+            wg_wait1();  // S_{b+1}
+            wg_keep<BN / 2>(&s[0][0]);
+            probs(b + 1);
+            wg_wait0_after(w.l[0]);  // P_b V_b
+            wg_keep<D / 2>(&w.acc[0][0]);
+            rescale<D>(w.acc, alpha);
+        } else {  // the segment's last block: fold it, then block b + 1 starts the next
+            wg_wait0();
+            wg_keep<BN / 2>(&s[0][0]);
+            wg_keep<D / 2>(&w.acc[0][0]);
+            if (b - b % SEG_BLOCKS < c.warp_blocks) {  // the segment reaches the warp's rows
+                fold_segment();
+                w.reset();
+            }
+            if (b + 1 < last) {
+                probs(b + 1);
+                rescale<D>(w.acc, alpha);
+            }
+        }
+    }
+    wait_groups<0>();
+    __syncthreads();
+    // the tile again from the arguments (as opaque values, so not merged with c): what only the
+    // gated write needs is not kept in registers through the walk
+    int rows2, start2, q2, kv2;
+    asm volatile("mov.b32 %0, %1;" : "=r"(rows2) : "r"(rows));
+    asm volatile("mov.b32 %0, %1;" : "=r"(start2) : "r"(start));
+    asm volatile("mov.b32 %0, %1;" : "=r"(q2) : "r"(q_heads));
+    asm volatile("mov.b32 %0, %1;" : "=r"(kv2) : "r"(kv_heads));
+    const Tile<WARPS, BN> e(rows2, start2, q2, kv2);
+    const float L[2] = {ml[2 * e.g + 1], ml[2 * (e.g + 8) + 1]};
+    write_gated<D>(out, qg, total, L, e.warp_first, e.g, e.t, e.vrows, e.group, e.h, q2);
+}
+
+// The launchable lookahead walk: flash_wgmma_prefill_256's grid, threads and arguments;
+// attention_wgmma.LOOKAHEAD_SHARED_BYTES (SHARED_BYTES and the running (M, L) rows).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_wgmma_lookahead_prefill_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc,
+                                      long long slot_bytes, bf16_t* out, const int* meta, int q_heads, int kv_heads,
+                                      float scale) {
+    const size_t slot = (size_t)meta[2] * (size_t)slot_bytes / sizeof(bf16_t);
+    lookahead_walk<256, 32, 3>(q, qg, kc + slot, vc + slot, out, meta[0], meta[1], q_heads, kv_heads, scale);
+}
+
 // The launchable walk at head_dim 256 (grid: tiles of 128 virtual rows, kv_heads; 256 threads;
 // attention_wgmma.SHARED_BYTES of dynamic shared memory). meta (i32 device [3]) = (rows in use,
 // start, slot), read here so a captured chunk replays with other values; kc / vc: one layer's

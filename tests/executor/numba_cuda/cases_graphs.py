@@ -80,6 +80,17 @@ def test_a_failed_capture_leaves_prefill_eager():
     assert stub._prefill_graphs is None and stub.prefill_graphs_off.startswith("capture failed: ")
 
 
+def test_a_private_pool_releases_under_the_simulator():
+    """PrefillGraphs.close releases its private pool. Under the simulator that raised AttributeError
+    (its context has no deallocation queue) once cuda-bindings was installed (the `sass` extra) and
+    a failed capture reached close (session 33)."""
+    from executor.numba_cuda.device import DevicePool
+
+    pool = DevicePool(1 << 20, release_on_oom=False)
+    pool.release()
+    assert (pool.cached_bytes, pool.live_bytes) == (0, 0)
+
+
 def test_buckets_are_checked_against_the_capacity():
     assert graphs.check_buckets([64, 16, 16, np.int64(32)], 64) == (16, 32, 64)
     assert graphs.check_buckets([20], 32) == (20,)  # its keys are read up to 32: fits

@@ -93,17 +93,19 @@ def build_emulated(out_dir: Path, code: str, name: str, opt: str = "-O2") -> Pat
     return exe
 
 
-def tma_statuses(monkeypatch) -> tuple[str | None, str | None]:
-    """attention_flash.tma_status() without WARMSTATE_FLASH_TMA and with it set to 1, each decided
-    afresh (the cache cleared before, between and after)."""
+def tma_statuses(monkeypatch, name: str = "tma") -> tuple[str | None, str | None]:
+    """attention_flash.tma_status() (name "lookahead": lookahead_status()) without its variable
+    (WARMSTATE_FLASH_TMA, WARMSTATE_FLASH_LOOKAHEAD) and with it set to 1, each decided afresh
+    (the cache cleared before, between and after)."""
     from executor.numba_cuda import attention_flash
 
-    monkeypatch.delenv("WARMSTATE_FLASH_TMA", raising=False)
-    attention_flash.tma_status.cache_clear()
+    status, variable = getattr(attention_flash, f"{name}_status"), f"WARMSTATE_FLASH_{name.upper()}"
+    monkeypatch.delenv(variable, raising=False)
+    status.cache_clear()
     try:
-        off = attention_flash.tma_status()
-        monkeypatch.setenv("WARMSTATE_FLASH_TMA", "1")
-        attention_flash.tma_status.cache_clear()
-        return off, attention_flash.tma_status()
+        off = status()
+        monkeypatch.setenv(variable, "1")
+        status.cache_clear()
+        return off, status()
     finally:
-        attention_flash.tma_status.cache_clear()
+        status.cache_clear()

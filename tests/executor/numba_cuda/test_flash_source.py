@@ -139,3 +139,24 @@ def test_the_tma_walk_is_opt_in_and_says_why_not(monkeypatch):
     if is_gpu_available():
         pytest.skip("a GPU is here")
     assert tma_statuses(monkeypatch) == (attention_flash.TMA_OFF, f"no wgmma walk: {attention_flash.wgmma_status()}")
+
+
+def test_the_lookahead_walk_is_opt_in_and_says_why_not(monkeypatch):
+    """Without WARMSTATE_FLASH_LOOKAHEAD=1 the backend's walk runs (LOOKAHEAD_OFF); asked for where no
+    wgmma walk runs (here: no GPU or the simulator), the status names why."""
+    from executor.numba_cuda.device import is_gpu_available
+
+    from tests.executor.numba_cuda.kernel_support import tma_statuses
+
+    if is_gpu_available():
+        pytest.skip("a GPU is here")
+    assert tma_statuses(monkeypatch, "lookahead") == (attention_flash.LOOKAHEAD_OFF,
+                                                      f"no wgmma walk: {attention_flash.wgmma_status()}")
+
+
+def test_the_lookahead_walk_is_in_the_cubin_source_with_its_own_shared_memory():
+    from executor.numba_cuda import attention_wgmma
+
+    text = attention_wgmma.source()
+    assert f"void __launch_bounds__(256, 1)\n    {attention_wgmma.LOOKAHEAD_KERNEL}(" in text
+    assert attention_wgmma.LOOKAHEAD_SHARED_BYTES == attention_wgmma.SHARED_BYTES + 1024 <= 232448

@@ -229,9 +229,10 @@ def _skip_without(tma: bool) -> None:
         pytest.skip(f"no TMA walk here: {why}")
 
 
-TMA = pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
-"""Both wgmma walks, asked for by name: K/V blocks by cp.async (the default), and by TMA (opt-in;
-skipped where it cannot run)."""
+TMA = pytest.mark.parametrize("tma,lookahead", [(False, False), (True, False), (False, True)],
+                              ids=["cp.async", "tma", "lookahead"])
+"""The three wgmma walks, asked for by name: K/V blocks by cp.async (the default), by TMA (opt-in;
+skipped where it cannot run), and the cp.async walk in FlashAttention-3's order (opt-in)."""
 
 
 def test_the_wgmma_walk_runs_on_the_h200(monkeypatch):
@@ -243,6 +244,7 @@ def test_the_wgmma_walk_runs_on_the_h200(monkeypatch):
     if tuple(cuda.get_current_device().compute_capability) == (9, 0):
         assert attention_flash.wgmma_status() is None
         assert tma_statuses(monkeypatch) == (attention_flash.TMA_OFF, None)
+        assert tma_statuses(monkeypatch, "lookahead") == (attention_flash.LOOKAHEAD_OFF, None)
 
 
 @pytest.mark.usefixtures("wgmma")
@@ -251,7 +253,7 @@ def test_the_wgmma_walk_runs_on_the_h200(monkeypatch):
     (24, 4, 1984, 51, 1), (24, 4, 0, 2000, 0), (16, 4, 300, 700, 1), (16, 4, 1000, 1500, 0), (8, 2, 31, 33, 1),
     (16, 4, 0, 1, 0), (24, 4, 4000, 16, 1), (16, 4, 2043, 5, 1),
 ])
-def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, rows, slot, tma):
+def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, rows, slot, tma, lookahead):
     """Every output bit of the wgmma walk equals the mma.sync walk's: the 27B's off-grid
     chunk and a long one from 0, the 9B's heads, a 2B-like 8 on 2, one row, a short chunk deep
     in the cache, rows straddling 256-key segments and partial 128-row tiles, slot 0 and 1 (q
@@ -265,14 +267,14 @@ def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, r
         mma = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, slot, start, split=False,
                                            wgmma=False))
         wgmma = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, slot, start, split=False,
-                                             wgmma=True, tma=tma))
+                                             wgmma=True, tma=tma, lookahead=lookahead))
     np.testing.assert_array_equal(wgmma, mma)
 
 
 @pytest.mark.usefixtures("wgmma")
 @TMA
 @pytest.mark.parametrize("start,used", [(1984, 300), (0, 640), (4500, 1)])
-def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used, tma):
+def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used, tma, lookahead):
     """A walk launched for a graph (meta on the device, 640 padded rows: a grid of their
     tiles) gives its rows in use the bits of an eager call and leaves the padded rows alone."""
     _skip_without(tma)
@@ -284,7 +286,7 @@ def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used, 
     out = to_device(np.full((padded, heads * 256), 0x7FC1, np.uint16))
     with poisoned():
         attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 1, 0, out=out, meta=chunk_meta(None, used, start, 1),
-                                split=False, wgmma=True, tma=tma)
+                                split=False, wgmma=True, tma=tma, lookahead=lookahead)
     got = out.copy_to_host()
     with poisoned():
         alone = host(attention_flash.prefill(to_device(q[:used]), to_device(qg[:used]), kc, vc, 1, start,
@@ -295,7 +297,7 @@ def test_a_captured_wgmma_walk_reads_rows_start_and_slot_from_meta(start, used, 
 
 @pytest.mark.usefixtures("wgmma")
 @TMA
-def test_the_wgmma_walk_depends_on_the_keys_it_reads(tma):
+def test_the_wgmma_walk_depends_on_the_keys_it_reads(tma, lookahead):
     """The planted break: a key past a row's position does not move the wgmma walk's row, a
     key before it does (a walk that read the wrong layout would fail the bit tests above)."""
     _skip_without(tma)
@@ -306,7 +308,7 @@ def test_the_wgmma_walk_depends_on_the_keys_it_reads(tma):
     def walk(values):
         with poisoned():
             return host(attention_flash.prefill(to_device(q), to_device(qg), kc, values, 0, 300, split=False,
-                                                wgmma=True, tma=tma))
+                                                wgmma=True, tma=tma, lookahead=lookahead))
 
     base = walk(vc)
     for key, moves in ((301, False), (5, True), (299, True)):

@@ -1,0 +1,108 @@
+"""The attention walks as ptxas builds them, checked on the CPU (bench/sass.py: NVRTC's ptxas report
+and cuobjdump's SASS; no GPU). The backend's walks keep every register in registers (no spill)
+and no wgmma of any walk is serialized; the lookahead walk (attention_wgmma.LOOKAHEAD_KERNEL)
+works out the softmax while a wgmma group is still in flight, which a plainly written wait
+loses (planted below: ptxas moves it up, session 33). Skips where NVRTC or the SASS tools are
+missing (the `sass` extra installs them)."""
+
+import pytest
+
+from bench.sass import KernelReport, overlap_windows, ptxas_report, summary
+
+LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
+instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in the function 'b' in line 0
+ptxas info    : Compiling entry function 'a' for 'sm_90a'
+ptxas info    : Function properties for a
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 252 registers, used 1 barriers
+ptxas info    : Compiling entry function 'b' for 'sm_90a'
+ptxas info    : Function properties for b
+ptxas         .     48 bytes stack frame, 60 bytes spill stores, 56 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 48 bytes cumulative stack size
+"""
+
+
+def test_the_report_gives_each_entry_its_registers_spills_and_notes():
+    reports = ptxas_report(LOG)
+    assert reports["a"] == KernelReport(252, 0, 0, 0, ())
+    b = reports["b"]
+    assert (b.registers, b.stack_bytes, b.spill_stores, b.spill_loads) == (255, 48, 60, 56)
+    assert len(b.notes) == 1 and b.notes[0].startswith("(C7514)")
+
+
+def test_an_entry_without_its_register_count_is_refused():
+    with pytest.raises(ValueError, match="'c'"):
+        ptxas_report("ptxas info    : Compiling entry function 'c' for 'sm_90a'\n")
+
+
+def test_a_window_counts_the_exponentials_between_a_wait_for_one_and_the_next_wait():
+    sass = ["HGMMA.64x32x16.F32.BF16 R1, R2, gdesc[UR4], R1, gsb0 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+            "MUFU.EX2 R3, R3 ;", "FMUL R4, R4, R5 ;", "MUFU.EX2 R6, R6 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+            "MUFU.EX2 R7, R7 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+            "STL [R1+0x8], R6 ;", "BAR.SYNC.DEFER_BLOCKING 0x0 ;"]
+    assert overlap_windows(sass) == [2, 0]
+    assert summary(sass) == {"hgmma": {"64x32x16": 1}, "waits": {0: 2, 1: 2}, "stl": 1, "ldl": 0, "bar_sync": 1,
+                             "overlap_windows": [2, 0]}
+    assert overlap_windows([ins for ins in sass if "0x1" not in ins]) == []
+
+
+@pytest.fixture(scope="module")
+def built():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC needs cuda-bindings (the sass extra)")
+    from bench.sass import build
+
+    try:
+        return build()
+    except RuntimeError as exc:  # cuda-bindings without the NVRTC library
+        pytest.skip(f"NVRTC cannot compile here: {str(exc)[:200]}")
+
+
+def test_the_backend_walks_spill_nothing_and_no_wgmma_is_serialized(built):
+    from executor.numba_cuda import attention_wgmma
+
+    reports = ptxas_report(built[1])
+    assert set(reports) == {attention_wgmma.KERNEL, attention_wgmma.TMA_KERNEL, attention_wgmma.LOOKAHEAD_KERNEL}
+    for name in (attention_wgmma.KERNEL, attention_wgmma.TMA_KERNEL):
+        assert (reports[name].spill_stores, reports[name].spill_loads) == (0, 0), name
+        assert reports[name].registers <= 255
+    for name, report in reports.items():
+        assert not report.notes, (name, report.notes)
+
+
+def _sass(cubin, kernel):
+    from bench.sass import sass, sass_unavailable
+
+    why = sass_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    return sass(cubin, kernel)
+
+
+def test_the_lookahead_walk_works_out_a_softmax_while_its_p_v_runs(built):
+    """Between its wait for S (one group, P V, left in flight) and its wait for P V: the whole
+    softmax of a block, 2 rows x 4 column tiles x 2 elements + 2 alphas = 18 exponentials a thread.
+    The backend's walk has no such wait: it drains the pipe before every softmax."""
+    from executor.numba_cuda import attention_wgmma
+
+    lookahead = summary(_sass(built[0], attention_wgmma.LOOKAHEAD_KERNEL))
+    assert lookahead["overlap_windows"] == [18]
+    assert lookahead["hgmma"] == {"64x32x16": 32, "64x256x16": 2}  # S in the prologue and the loop, one P V
+    assert lookahead["bar_sync"] == 3  # before the walk, once a block, after it
+    plain = summary(_sass(built[0], attention_wgmma.KERNEL))
+    assert plain["overlap_windows"] == [] and plain["waits"] == {0: 2}
+
+
+def test_a_plain_wait_after_the_softmax_is_moved_before_it_and_caught():
+    """The plant: wg_wait0_after's branch replaced by the plain wait. The PTX keeps the softmax
+    between the two waits; ptxas' SASS does not, and the window the test above asks for is empty."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC needs cuda-bindings (the sass extra)")
+    from bench.sass import build
+    from executor.numba_cuda import attention_wgmma
+
+    try:
+        cubin, log = build(replace=(("wg_wait0_after(w.l[0]);  // P_b V_b", "wg_wait0();  // P_b V_b"),))
+    except RuntimeError as exc:
+        pytest.skip(f"NVRTC cannot compile here: {str(exc)[:200]}")
+    assert not ptxas_report(log)[attention_wgmma.LOOKAHEAD_KERNEL].notes
+    assert summary(_sass(cubin, attention_wgmma.LOOKAHEAD_KERNEL))["overlap_windows"] == [0]
