@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
             t_new = timed(lambda: attention_flash.prefill(q, qg, kc, vc, 0, start, out=out, split=False, wgmma=True,
                                                           meta=meta, tma=tma, lookahead=lookahead))
             diff = int((a != out.copy_to_host()).sum())
-            print(f"| {model} | {rows} at {start} | **wgmma walk, {label} (backend)** | {t_new:.3f} | "
+            kind = "backend, opt-in" if tma or lookahead else "backend"
+            print(f"| {model} | {rows} at {start} | **wgmma walk, {label} ({kind})** | {t_new:.3f} | "
                   f"{t_ref / t_new:.2f}x | {flops / t_new / 1e9:.0f} | "
                   f"{'yes' if diff == 0 else f'no: {diff} of {a.size} differ'} |")
         for label in kernels:

@@ -50,7 +50,9 @@ class KernelReport:
 def ptxas_report(log: str) -> dict[str, KernelReport]:
     """NVRTC's log (compiled with --ptxas-options=-v) -> {entry function: KernelReport}. A note names
     its function in the text (`... in the function 'name'`); the properties follow the line
-    "Compiling entry function 'name'". Raises ValueError when an entry has no "Used N registers"."""
+    "Compiling entry function 'name'". A note that names no function goes to the entry "" (so a
+    check that no entry has notes, or that the entries are these, sees it). Raises ValueError when
+    an entry has no "Used N registers"."""
     entries: dict[str, dict] = {}
     current = None
     for line in log.splitlines():
@@ -59,9 +61,10 @@ def ptxas_report(log: str) -> dict[str, KernelReport]:
             current = match.group(1)
             entries.setdefault(current, {"notes": []})
             continue
-        match = re.search(r"function '([^']+)'", line)
-        if NOTE.search(line) and match:
-            entries.setdefault(match.group(1), {"notes": []})["notes"].append(line.split(":", 1)[-1].strip())
+        if NOTE.search(line):
+            match = re.search(r"function '([^']+)'", line)
+            owner = match.group(1) if match else ""
+            entries.setdefault(owner, {"notes": []})["notes"].append(line.split(":", 1)[-1].strip())
             continue
         if current is None:
             continue
@@ -74,7 +77,8 @@ def ptxas_report(log: str) -> dict[str, KernelReport]:
     reports = {}
     for name, e in entries.items():
         if "registers" not in e:
-            if e["notes"] and len(entries) > 1:  # a note about a function compiled further on
+            if name == "":
+                reports[name] = KernelReport(0, 0, 0, 0, tuple(e["notes"]))
                 continue
             raise ValueError(f"ptxas log: no 'Used N registers' for {name!r}")
         reports[name] = KernelReport(e["registers"], e.get("stack", 0), e.get("stores", 0), e.get("loads", 0),
@@ -150,6 +154,34 @@ def overlap_windows(instructions: list[str]) -> list[int]:
     return windows
 
 
+STEPS = (("cp.async wait 1", "DEPBAR.LE SB0, 0x1"), ("proxy fence", "FENCE.VIEW.ASYNC"), ("barrier", "BAR.SYNC"),
+         ("copy", "LDGSTS"), ("wgmma", "HGMMA"))
+"""`loop_top`'s steps: (name, how its SASS instruction starts, after any predicate)."""
+
+
+def loop_top(instructions: list[str]) -> list[str]:
+    """The order of STEPS in a walk's loop, from its first wait for all but one cp.async group
+    (DEPBAR.LE SB0, 0x1) to its first wgmma after that, each step named once where it first
+    appears. The lookahead walk's: cp.async wait 1, proxy fence, barrier, copy, wgmma (block b's
+    copies in, visible to the async proxy, every warpgroup past it, then the next copies, then
+    S). Empty when there is no such wait."""
+    names = []
+    started = False
+    for ins in instructions:
+        op = ins.split(" ", 1)[1] if ins.startswith("@") else ins
+        if not started:
+            started = op.startswith(STEPS[0][1])
+            if started:
+                names.append(STEPS[0][0])
+            continue
+        for name, prefix in STEPS[1:]:
+            if op.startswith(prefix) and name not in names:
+                names.append(name)
+        if op.startswith("HGMMA"):
+            break
+    return names
+
+
 def summary(instructions: list[str]) -> dict:
     """Counts in a kernel's SASS: HGMMA by shape, WARPGROUP.DEPBAR by level, spill traffic (STL,
     LDL), CTA barriers, and `overlap_windows`."""
@@ -166,7 +198,7 @@ def summary(instructions: list[str]) -> dict:
     return {"hgmma": shapes, "waits": waits, "stl": sum(i.startswith("STL") for i in instructions),
             "ldl": sum(i.startswith("LDL") for i in instructions),
             "bar_sync": sum(i.startswith("BAR.SYNC") for i in instructions),
-            "overlap_windows": overlap_windows(instructions)}
+            "overlap_windows": overlap_windows(instructions), "loop_top": loop_top(instructions)}
 
 
 def build(which: str = "attention", replace: tuple[tuple[str, str], ...] = ()) -> tuple[bytes, str]:
@@ -198,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--source", default="attention", choices=("attention", "bench"),
                         help="the backend's walks (attention) or bench/flash_wgmma.cu's experiments (bench)")
     parser.add_argument("--kernels", default="", help="comma-separated entry functions (default: every one)")
-    parser.add_argument("--dump", type=Path, default=None, help="also write each kernel's SASS to DIR/<kernel>.sass")
+    parser.add_argument("--dump", type=Path, default=None, metavar="DIR",
+                        help="also write each kernel's SASS to DIR/<kernel>.sass")
     args = parser.parse_args(argv)
     try:
         cubin, log = build(args.source)
@@ -211,11 +244,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--kernels: {unknown} not in the cubin ({', '.join(sorted(reports))})")
     why = sass_unavailable()
     print("| kernel | registers | spill stores / loads (bytes) | ptxas notes | HGMMA | waits (level: count) | "
-          "STL / LDL | EX2 between wait 1 and the next wait |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "STL / LDL | EX2 between wait 1 and the next wait | loop top |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         r = reports[name]
-        cells = [name, r.registers, f"{r.spill_stores} / {r.spill_loads}", "; ".join(n[:60] for n in r.notes) or "-"]
+        cells = [name or "(no function named)", r.registers, f"{r.spill_stores} / {r.spill_loads}",
+                 "; ".join(n[:100] for n in r.notes) or "-"]
         if why is None:
             ins = sass(cubin, name)
             s = summary(ins)
@@ -224,9 +258,9 @@ def main(argv: list[str] | None = None) -> None:
                 (args.dump / f"{name}.sass").write_text("\n".join(ins) + "\n")
             cells += [", ".join(f"{k} x{v}" for k, v in sorted(s["hgmma"].items())),
                       ", ".join(f"{k}: {v}" for k, v in sorted(s["waits"].items())), f"{s['stl']} / {s['ldl']}",
-                      ", ".join(map(str, s["overlap_windows"])) or "-"]
+                      ", ".join(map(str, s["overlap_windows"])) or "-", " > ".join(s["loop_top"]) or "-"]
         else:
-            cells += ["-", "-", "-", "-"]
+            cells += ["-", "-", "-", "-", "-"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     if why is not None:
         print(f"\nno SASS: {why}")

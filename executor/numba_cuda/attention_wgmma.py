@@ -20,7 +20,7 @@ order (the tensor cores run the next block's S and this block's P V while the wa
 next block's softmax; KERNEL waits for each S before its softmax, so the two alternate): opt-in
 too (WARMSTATE_FLASH_LOOKAHEAD=1, attention_flash.lookahead_status), written without a GPU in
 session 33 and checked only on the CPU (NVRTC's ptxas and cuobjdump's SASS:
-tests/executor/numba_cuda/test_cuda_sass.py).
+tests/bench/test_sass.py).
 
 Not available under the CUDA simulator (no NVRTC, no wgmma) or without cuda-bindings.
 """

@@ -149,8 +149,9 @@ class NumbaCudaBackend:
         self.flash_lookahead: bool | None = None
         """Prefill attention's wgmma walk in FlashAttention-3's order (attention_wgmma.LOOKAHEAD_KERNEL)
         when True, the backend's walk when False, and when None as `attention_flash.lookahead_status`
-        decides (opt-in: WARMSTATE_FLASH_LOOKAHEAD=1). The same bits either way; for benchmarks
-        (`bench.decode_prefill --flash-lookahead off,on`). Read at launch time, like
+        decides (opt-in: WARMSTATE_FLASH_LOOKAHEAD=1, whose bit check runs on first use). True runs
+        it without that check: for benchmarks, which check first (`bench.decode_prefill
+        --flash-lookahead off,on`). The same bits either way. Read at launch time, like
         `residual_accumulate`."""
 
     def enable_prefill_graphs(self, buckets: Sequence[int] | None = None, prune: bool = True) -> bool:
@@ -243,8 +244,12 @@ class NumbaCudaBackend:
                 wgmma = f"head_dim {self.config.head_dim}, not {attention_wgmma.HEAD_DIM}"
             else:
                 wgmma = attention_flash.wgmma_status()
-            tma = attention_flash.tma_status() if wgmma is None else "no wgmma walk"
             lookahead = attention_flash.lookahead_status() if wgmma is None else "no wgmma walk"
+            if self.flash_lookahead is not None and wgmma is None:
+                lookahead = None if self.flash_lookahead else "flash_lookahead = False"
+            tma = attention_flash.tma_status() if wgmma is None else "no wgmma walk"
+            if lookahead is None and tma is None:
+                tma = "the lookahead walk copies by cp.async"
             log.info("prefill_attention", path=self._prefill_attention, passed_over=self.attention_failures,
                      wgmma_walk="on" if wgmma is None else f"off: {wgmma}", tma="on" if tma is None else f"off: {tma}",
                      lookahead="on" if lookahead is None else f"off: {lookahead}")

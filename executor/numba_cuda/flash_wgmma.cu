@@ -392,7 +392,7 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
 // product, its operands and its order, and every softmax and fold operation are the backend walk's,
 // in the same order per row: every output bit the same. Opt-in (attention_wgmma.LOOKAHEAD_KERNEL,
 // WARMSTATE_FLASH_LOOKAHEAD=1); written in session 33 without a GPU, its SASS checked on the CPU
-// (tests/executor/numba_cuda/test_cuda_sass.py): not yet run.
+// (tests/bench/test_sass.py): not yet run.
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 // wg_wait0 placed after the work that computes x. ptxas schedules a WARPGROUP.DEPBAR as early as it

@@ -2,12 +2,14 @@
 and cuobjdump's SASS; no GPU). The backend's walks keep every register in registers (no spill)
 and no wgmma of any walk is serialized; the lookahead walk (attention_wgmma.LOOKAHEAD_KERNEL)
 works out the softmax while a wgmma group is still in flight, which a plainly written wait
-loses (planted below: ptxas moves it up, session 33). Skips where NVRTC or the SASS tools are
-missing (the `sass` extra installs them)."""
+loses (planted below: ptxas moves it up, session 33), and its loop top keeps the order its
+shared-memory ring needs (planted races below: only now-and-then wrong bits on a GPU). Skips
+where NVRTC or the SASS tools are missing (the `sass` extra installs them). Not caught here, only
+by the GPU bit tests: a copy into the wrong slot, a wrong segment end, a dropped rescale."""
 
 import pytest
 
-from bench.sass import KernelReport, overlap_windows, ptxas_report, summary
+from bench.sass import KernelReport, loop_top, overlap_windows, ptxas_report, summary
 
 LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
@@ -36,6 +38,12 @@ def test_an_entry_without_its_register_count_is_refused():
         ptxas_report("ptxas info    : Compiling entry function 'c' for 'sm_90a'\n")
 
 
+def test_a_note_that_names_no_function_is_kept():
+    """A review found such a note dropped, so a check for "no notes" would have passed over it."""
+    reports = ptxas_report("ptxas info    : (C7599) Some note with no function\n" + LOG)
+    assert reports[""].notes == ("(C7599) Some note with no function",) and set(reports) == {"", "a", "b"}
+
+
 def test_a_window_counts_the_exponentials_between_a_wait_for_one_and_the_next_wait():
     sass = ["HGMMA.64x32x16.F32.BF16 R1, R2, gdesc[UR4], R1, gsb0 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
             "MUFU.EX2 R3, R3 ;", "FMUL R4, R4, R5 ;", "MUFU.EX2 R6, R6 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
@@ -43,8 +51,17 @@ def test_a_window_counts_the_exponentials_between_a_wait_for_one_and_the_next_wa
             "STL [R1+0x8], R6 ;", "BAR.SYNC.DEFER_BLOCKING 0x0 ;"]
     assert overlap_windows(sass) == [2, 0]
     assert summary(sass) == {"hgmma": {"64x32x16": 1}, "waits": {0: 2, 1: 2}, "stl": 1, "ldl": 0, "bar_sync": 1,
-                             "overlap_windows": [2, 0]}
+                             "overlap_windows": [2, 0], "loop_top": []}
     assert overlap_windows([ins for ins in sass if "0x1" not in ins]) == []
+
+
+def test_the_loop_top_names_each_step_where_it_first_comes():
+    sass = ["DEPBAR.LE SB0, 0x2 ;", "DEPBAR.LE SB0, 0x1 ;", "FENCE.VIEW.ASYNC.S ;", "BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+            "@!P0 LDGSTS.E.BYPASS.128 [R17], desc[UR32][R14.64] ;", "BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+            "LDGSTS.E.BYPASS.128 [R7], desc[UR32][R4.64] ;", "HGMMA.64x32x16.F32.BF16 R24, R168, gdesc[UR4], RZ, !UPT ;",
+            "LDGSTS.E.BYPASS.128 [R7], desc[UR32][R4.64] ;"]
+    assert loop_top(sass) == ["cp.async wait 1", "proxy fence", "barrier", "copy", "wgmma"]
+    assert loop_top(sass[:1] + sass[3:]) == []
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +102,60 @@ def test_the_lookahead_walk_works_out_a_softmax_while_its_p_v_runs(built):
     The backend's walk has no such wait: it drains the pipe before every softmax."""
     from executor.numba_cuda import attention_wgmma
 
-    lookahead = summary(_sass(built[0], attention_wgmma.LOOKAHEAD_KERNEL))
+    instructions = _sass(built[0], attention_wgmma.LOOKAHEAD_KERNEL)
+    lookahead = summary(instructions)
     assert lookahead["overlap_windows"] == [18]
     assert lookahead["hgmma"] == {"64x32x16": 32, "64x256x16": 2}  # S in the prologue and the loop, one P V
-    assert lookahead["bar_sync"] == 3  # before the walk, once a block, after it
+    assert lookahead["loop_top"] == LOOP_TOP
+    window = instructions[instructions.index("WARPGROUP.DEPBAR.LE gsb0, 0x1 ;") + 1:]
+    window = window[:next(i for i, ins in enumerate(window) if ins.startswith("WARPGROUP.DEPBAR"))]
+    assert not [ins for ins in window if ins.startswith(("STL", "LDL"))]  # no spill under the overlap
+    report = ptxas_report(built[1])[attention_wgmma.LOOKAHEAD_KERNEL]
+    assert report.spill_stores <= 64 and report.spill_loads <= 64, report  # 52 / 48 B with NVRTC 13.5
     plain = summary(_sass(built[0], attention_wgmma.KERNEL))
     assert plain["overlap_windows"] == [] and plain["waits"] == {0: 2}
+
+
+LOOP_TOP = ["cp.async wait 1", "proxy fence", "barrier", "copy", "wgmma"]
+"""The lookahead walk's loop top (bench.sass.loop_top): block b's copies in, visible to wgmma, every
+warpgroup past the barrier (done with the slots the next copies overwrite), the copies, then S."""
+
+
+def _planted(replace):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC needs cuda-bindings (the sass extra)")
+    from bench.sass import build
+
+    try:
+        return build(replace=replace)
+    except RuntimeError as exc:
+        pytest.skip(f"NVRTC cannot compile here: {str(exc)[:200]}")
+
+
+@pytest.mark.parametrize("old,new", [
+    ("wait_groups<1>();  // G_b in", "wait_groups<2>();  // G_b in"),
+    ("""asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
+        __syncthreads();
+        load_group(b + 2);""", """__syncthreads();
+        load_group(b + 2);"""),
+    ("""__syncthreads();
+        load_group(b + 2);""", """load_group(b + 2);
+        __syncthreads();"""),
+], ids=["copy-wait", "no-fence", "copy-before-barrier"])
+def test_a_loop_top_out_of_order_is_caught(old, new):
+    """Planted races that give wrong bits only now and then on a GPU: waiting for one copy group too
+    few (block b's blocks may not be in), no proxy fence (wgmma may read stale shared memory), the
+    next copies before the barrier (they may overwrite a slot the other warpgroup still reads)."""
+    from executor.numba_cuda import attention_wgmma
+
+    cubin, _ = _planted(((old, new),))
+    assert summary(_sass(cubin, attention_wgmma.LOOKAHEAD_KERNEL))["loop_top"] != LOOP_TOP
 
 
 def test_a_plain_wait_after_the_softmax_is_moved_before_it_and_caught():
     """The plant: wg_wait0_after's branch replaced by the plain wait. The PTX keeps the softmax
     between the two waits; ptxas' SASS does not, and the window the test above asks for is empty."""
-    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC needs cuda-bindings (the sass extra)")
-    from bench.sass import build
     from executor.numba_cuda import attention_wgmma
 
-    try:
-        cubin, log = build(replace=(("wg_wait0_after(w.l[0]);  // P_b V_b", "wg_wait0();  // P_b V_b"),))
-    except RuntimeError as exc:
-        pytest.skip(f"NVRTC cannot compile here: {str(exc)[:200]}")
+    cubin, log = _planted((("wg_wait0_after(w.l[0]);  // P_b V_b", "wg_wait0();  // P_b V_b"),))
     assert not ptxas_report(log)[attention_wgmma.LOOKAHEAD_KERNEL].notes
     assert summary(_sass(cubin, attention_wgmma.LOOKAHEAD_KERNEL))["overlap_windows"] == [0]

@@ -317,6 +317,24 @@ def test_the_wgmma_walk_depends_on_the_keys_it_reads(tma, lookahead):
         assert (not np.array_equal(walk(to_device(vh2)), base)) == moves, key
 
 
+def test_this_machine_s_build_of_the_lookahead_walk_overlaps():
+    """The GPU machine's own NVRTC build (what attention_wgmma.module runs), read as tests/bench/
+    test_sass.py reads the CPU's: the softmax's 18 exponentials between the wait for S and the wait
+    for P V, and the loop top in its order. A ptxas that moves the wait up again keeps the bits and
+    loses the speed; this says so. Needs cuobjdump and nvdisasm (the nvidia-cuda-cuobjdump and
+    nvidia-cuda-nvdisasm wheels), else skips."""
+    from bench.sass import sass, sass_unavailable, summary
+    from executor.numba_cuda import attention_wgmma
+    from executor.numba_cuda.nvrtc import compile_cubin
+
+    if attention_wgmma.unavailable() is not None or sass_unavailable() is not None:
+        pytest.skip(attention_wgmma.unavailable() or sass_unavailable())
+    cubin, _ = compile_cubin(attention_wgmma.source(), "flash_wgmma.cu")
+    got = summary(sass(cubin, attention_wgmma.LOOKAHEAD_KERNEL))
+    assert got["overlap_windows"] == [18]
+    assert got["loop_top"] == ["cp.async wait 1", "proxy fence", "barrier", "copy", "wgmma"]
+
+
 def test_wgmma_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("WARMSTATE_FLASH_WGMMA", "0")
     attention_flash.wgmma_status.cache_clear()
