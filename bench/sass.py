@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -92,12 +93,9 @@ def tool(name: str) -> str | None:
     found = shutil.which(name)
     if found:
         return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in getattr(nvidia, "__path__", []):
-        for candidate in sorted(Path(root).glob(f"cu*/bin/{name}"), reverse=True):
+    for entry in sys.path:  # every entry, not `nvidia.__path__`: a `pip install --target` folder on
+        # PYTHONPATH holds a namespace part of `nvidia` that another site's regular package shadows
+        for candidate in sorted(Path(entry or ".").glob(f"nvidia/cu*/bin/{name}"), reverse=True):
             if os.access(candidate, os.X_OK):
                 return str(candidate)
     return None

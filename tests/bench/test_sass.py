@@ -64,6 +64,23 @@ def test_the_loop_top_names_each_step_where_it_first_comes():
     assert loop_top(sass[:1] + sass[3:]) == []
 
 
+def test_a_tool_is_found_in_a_target_folder_on_the_path(tmp_path, monkeypatch):
+    """On the GPU machine the wheels go to `pip install --target /tmp/site` (on PYTHONPATH), whose
+    `nvidia` folder another site's regular `nvidia` package shadows for imports: `tool` looks in
+    every sys.path entry."""
+    from bench import sass
+
+    binary = tmp_path / "nvidia" / "cu13" / "bin" / "cuobjdump-test"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(sass.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sass.sys, "path", ["/nonexistent", str(tmp_path)])
+    assert sass.tool("cuobjdump-test") == str(binary)
+    binary.chmod(0o644)
+    assert sass.tool("cuobjdump-test") is None
+
+
 @pytest.fixture(scope="module")
 def built():
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC needs cuda-bindings (the sass extra)")
