@@ -159,10 +159,10 @@ STEPS = (("cp.async wait 1", "DEPBAR.LE SB0, 0x1"), ("proxy fence", "FENCE.VIEW.
 
 def loop_top(instructions: list[str]) -> list[str]:
     """The order of STEPS in a walk's loop, from its first wait for all but one cp.async group
-    (DEPBAR.LE SB0, 0x1) to its first wgmma after that, each step named once where it first
-    appears. The lookahead walk's: cp.async wait 1, proxy fence, barrier, copy, wgmma (block b's
-    copies in, visible to the async proxy, every warpgroup past it, then the next copies, then
-    S). Empty when there is no such wait."""
+    (DEPBAR.LE SB0, 0x1) to the first wgmma wait (WARPGROUP.DEPBAR) after it, each step named once
+    where it first appears. The lookahead walk's: cp.async wait 1, proxy fence, barrier, wgmma, copy
+    (block b's copies in, visible to the async proxy, every warpgroup past the barrier, S and P V
+    issued, then the next copies under them). Empty when there is no such wait."""
     names = []
     started = False
     for ins in instructions:
@@ -172,11 +172,11 @@ def loop_top(instructions: list[str]) -> list[str]:
             if started:
                 names.append(STEPS[0][0])
             continue
+        if op.startswith("WARPGROUP.DEPBAR"):
+            break
         for name, prefix in STEPS[1:]:
             if op.startswith(prefix) and name not in names:
                 names.append(name)
-        if op.startswith("HGMMA"):
-            break
     return names
 
 

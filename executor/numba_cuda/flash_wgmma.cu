@@ -378,9 +378,9 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
 // (S_b done and P_b worked out in the step before; P_{b-1} V_{b-1} done):
 //   1. the copy group G_b = {K_{b+1}, V_b} in (cp.async wait, proxy fence) and ONE CTA barrier:
 //      every thread's part of G_b is in, and every warpgroup is done with K_b and V_{b-1};
-//   2. G_{b+2} = {K_{b+3}, V_{b+2}} copied into K_b's and V_{b-1}'s slots;
-//   3. S_{b+1} issued, then P_b V_b, each its own wgmma group (S_{b+1} also past the last block, on a
+//   2. S_{b+1} issued, then P_b V_b, each its own wgmma group (S_{b+1} also past the last block, on a
 //      stale slot, never read: a wgmma under a branch is serialized by ptxas, C7518);
+//   3. G_{b+2} = {K_{b+3}, V_{b+2}} copied into K_b's and V_{b-1}'s slots, under the products;
 //   4. wait for S_{b+1} only; block b + 1's scale, mask, max, P and l (block_probs), under P_b V_b;
 //   5. wait for P_b V_b; O's rescale by block b + 1's alpha (rescale).
 // After a segment's last block (and the last block), step 4 waits for both, folds the segment and
@@ -487,7 +487,6 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
         wait_groups<1>();  // G_b in (G_{b+1} may not be)
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
         __syncthreads();
-        load_group(b + 2);
         u32 pf[BN / 16][4];
 #pragma unroll
         for (int k = 0; k < BN / 16; ++k)
@@ -500,6 +499,7 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
         for (int k = 0; k < BN / 16; ++k)  // keys 16 k..: the next 64 dims BN * 128 bytes on, 8 keys 1024
             wgmma_o(reinterpret_cast<float(&)[D / 2]>(w.acc), pf[k], wg_desc_128b(v_slot(b) + k * 2048, BN * 128, 1024));
         wg_commit();
+        load_group(b + 2);  // issued under the products, not before them
         if ((b + 1) % SEG_BLOCKS != 0 && b + 1 < last) {  // block b + 1 in the same segment
             wg_wait1();  // S_{b+1}
             wg_keep<BN / 2>(&s[0][0]);

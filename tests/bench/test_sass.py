@@ -62,6 +62,7 @@ def test_the_loop_top_names_each_step_where_it_first_comes():
             "LDGSTS.E.BYPASS.128 [R7], desc[UR32][R4.64] ;"]
     assert loop_top(sass) == ["cp.async wait 1", "proxy fence", "barrier", "copy", "wgmma"]
     assert loop_top(sass[:1] + sass[3:]) == []
+    assert loop_top(sass[1:7] + ["WARPGROUP.DEPBAR.LE gsb0, 0x1 ;"] + sass[7:]) == LOOP_TOP[:3] + ["copy"]
 
 
 def test_a_tool_is_found_in_a_target_folder_on_the_path(tmp_path, monkeypatch):
@@ -133,9 +134,10 @@ def test_the_lookahead_walk_works_out_a_softmax_while_its_p_v_runs(built):
     assert plain["overlap_windows"] == [] and plain["waits"] == {0: 2}
 
 
-LOOP_TOP = ["cp.async wait 1", "proxy fence", "barrier", "copy", "wgmma"]
+LOOP_TOP = ["cp.async wait 1", "proxy fence", "barrier", "wgmma", "copy"]
 """The lookahead walk's loop top (bench.sass.loop_top): block b's copies in, visible to wgmma, every
-warpgroup past the barrier (done with the slots the next copies overwrite), the copies, then S."""
+warpgroup past the barrier (done with the slots the next copies overwrite), S and P V issued, then
+the next copies under them."""
 
 
 def _planted(replace):
@@ -152,11 +154,12 @@ def _planted(replace):
     ("wait_groups<1>();  // G_b in", "wait_groups<2>();  // G_b in"),
     ("""asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
         __syncthreads();
-        load_group(b + 2);""", """__syncthreads();
-        load_group(b + 2);"""),
-    ("""__syncthreads();
-        load_group(b + 2);""", """load_group(b + 2);
-        __syncthreads();"""),
+        u32 pf""", """__syncthreads();
+        u32 pf"""),
+    ("""        __syncthreads();
+        u32 pf""", """        load_group(b + 2);
+        __syncthreads();
+        u32 pf"""),
 ], ids=["copy-wait", "no-fence", "copy-before-barrier"])
 def test_a_loop_top_out_of_order_is_caught(old, new):
     """Planted races that give wrong bits only now and then on a GPU: waiting for one copy group too
