@@ -244,6 +244,16 @@ def decode_ours(backend: NumbaCudaBackend, ctx: int, lanes: int, cfg: BenchConfi
     return out
 
 
+def prefill_settings(cfg: BenchConfig, chosen: tuple) -> list[tuple]:
+    """The prefill settings to time, in order: every (attention path, delta-rule path, residual
+    accumulate, large-M GEMM, lookahead) of cfg's lists, each empty list standing for the backend's
+    own choice in `chosen` (the same five, in that order). Lookahead only switches the flash path's
+    walk, so another path is timed once, with the first lookahead setting."""
+    lists = (cfg.prefill_attention, cfg.prefill_delta, cfg.residual_accumulate, cfg.gemm_large, cfg.flash_lookahead)
+    lists = [given or (own,) for given, own in zip(lists, chosen)]
+    return [s for s in itertools.product(*lists) if s[0] == "flash" or s[4] == lists[4][0]]
+
+
 def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile: bool) -> dict:
     rng = np.random.default_rng(cfg.seed + rows)
     ids = [int(t) for t in rng.integers(0, backend.config.vocab_size, rows)]
@@ -406,10 +416,7 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     chosen_lookahead = attention_flash.lookahead_status() is None
     if True in cfg.flash_lookahead and not chosen_lookahead:
         raise RuntimeError(f"--flash-lookahead on: {attention_flash.lookahead_status()}")
-    settings = [s for s in itertools.product(cfg.prefill_attention or (chosen,), cfg.prefill_delta or (chosen_delta,),
-                                             cfg.residual_accumulate or (chosen_accumulate,),
-                                             cfg.gemm_large or (chosen_large,), cfg.flash_lookahead or (chosen_lookahead,))
-                if s[0] == "flash" or s[4] == (cfg.flash_lookahead or (chosen_lookahead,))[0]]  # once for other paths
+    settings = prefill_settings(cfg, (chosen, chosen_delta, chosen_accumulate, chosen_large, chosen_lookahead))
     for rows in prefill_rows:
         for path, delta, accumulate, large, lookahead in settings:
             backend.set_prefill_attention(path, after_prefill=True)
@@ -548,7 +555,7 @@ def run(cfg: BenchConfig, out_dir: Path | None) -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     defaults = BenchConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", help=f"comma-separated (default {','.join(defaults.presets)})")
@@ -580,7 +587,7 @@ def main() -> None:
                              "walk (default: the backend's, off unless WARMSTATE_FLASH_LOOKAHEAD=1)")
     parser.add_argument("--ttft-repeats", type=int, default=defaults.ttft_repeats,
                         help=f"prefills a TTFT is the median of (default {defaults.ttft_repeats})")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.ttft_repeats < 1:
         parser.error(f"--ttft-repeats: must be at least 1, got {args.ttft_repeats}")
     changes = {"peer": not (args.no_peer or args.decode_only), "commit": args.commit}
