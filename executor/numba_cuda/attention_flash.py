@@ -317,18 +317,7 @@ def tma_status() -> str | None:
     not: not asked for (TMA_OFF: WARMSTATE_FLASH_TMA=1 asks), the wgmma walk does not run here
     (`wgmma_status`), TMA cannot (`attention_wgmma.tma_unavailable`), the check raised, or the TMA
     walk's bits differ from the mma.sync walk's on `wgmma_status`'s check. Decided once a process."""
-    if os.environ.get("WARMSTATE_FLASH_TMA", "0").strip() != "1":
-        return TMA_OFF
-    why = wgmma_status()
-    if why is not None:
-        return f"no wgmma walk: {why}"
-    why = attention_wgmma.tma_unavailable()
-    if why is not None:
-        return why
-    try:
-        return _wgmma_check(tma=True)
-    except Exception as exc:  # noqa: BLE001 - the driver or the check: the cp.async walk runs
-        return f"{type(exc).__name__}: {str(exc)[-300:]}"
+    return _opt_in_walk("WARMSTATE_FLASH_TMA", TMA_OFF, attention_wgmma.tma_unavailable, tma=True)
 
 
 LOOKAHEAD_OFF = ("off by default (WARMSTATE_FLASH_LOOKAHEAD=1 turns it on; not yet run on a GPU: "
@@ -342,14 +331,24 @@ def lookahead_status() -> str | None:
     else why not: not asked for (LOOKAHEAD_OFF: WARMSTATE_FLASH_LOOKAHEAD=1 asks), the wgmma walk
     does not run here (`wgmma_status`), the check raised, or the lookahead walk's bits differ from
     the mma.sync walk's on `wgmma_status`'s check. Decided once a process."""
-    if os.environ.get("WARMSTATE_FLASH_LOOKAHEAD", "0").strip() != "1":
-        return LOOKAHEAD_OFF
+    return _opt_in_walk("WARMSTATE_FLASH_LOOKAHEAD", LOOKAHEAD_OFF, lambda: None, lookahead=True)
+
+
+def _opt_in_walk(variable: str, off: str, unavailable, **walk) -> str | None:
+    """An opt-in wgmma walk's status (`tma_status`, `lookahead_status`): `off` unless `variable` is
+    1, else why the walk cannot run (no wgmma walk here, or `unavailable()`), else `_wgmma_check`'s
+    verdict on it (`walk`: its tma / lookahead switch), or what that check raised."""
+    if os.environ.get(variable, "0").strip() != "1":
+        return off
     why = wgmma_status()
     if why is not None:
         return f"no wgmma walk: {why}"
+    why = unavailable()
+    if why is not None:
+        return why
     try:
-        return _wgmma_check(lookahead=True)
-    except Exception as exc:  # noqa: BLE001 - the driver or the check: the backend's walk runs
+        return _wgmma_check(**walk)
+    except Exception as exc:  # noqa: BLE001 - the driver or the check: the backend's own walk runs
         return f"{type(exc).__name__}: {str(exc)[-300:]}"
 
 

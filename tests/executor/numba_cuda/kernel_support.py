@@ -93,7 +93,7 @@ def build_emulated(out_dir: Path, code: str, name: str, opt: str = "-O2") -> Pat
     return exe
 
 
-def tma_statuses(monkeypatch, name: str = "tma") -> tuple[str | None, str | None]:
+def walk_statuses(monkeypatch, name: str = "tma") -> tuple[str | None, str | None]:
     """attention_flash.tma_status() (name "lookahead": lookahead_status()) without its variable
     (WARMSTATE_FLASH_TMA, WARMSTATE_FLASH_LOOKAHEAD) and with it set to 1, each decided afresh
     (the cache cleared before, between and after)."""

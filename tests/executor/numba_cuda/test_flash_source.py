@@ -134,11 +134,11 @@ def test_the_tma_walk_is_opt_in_and_says_why_not(monkeypatch):
     no wgmma walk runs (here: no GPU or the simulator), the status names why."""
     from executor.numba_cuda.device import is_gpu_available
 
-    from tests.executor.numba_cuda.kernel_support import tma_statuses
+    from tests.executor.numba_cuda.kernel_support import walk_statuses
 
     if is_gpu_available():
         pytest.skip("a GPU is here")
-    assert tma_statuses(monkeypatch) == (attention_flash.TMA_OFF, f"no wgmma walk: {attention_flash.wgmma_status()}")
+    assert walk_statuses(monkeypatch) == (attention_flash.TMA_OFF, f"no wgmma walk: {attention_flash.wgmma_status()}")
 
 
 def test_the_lookahead_walk_is_opt_in_and_says_why_not(monkeypatch):
@@ -146,11 +146,11 @@ def test_the_lookahead_walk_is_opt_in_and_says_why_not(monkeypatch):
     wgmma walk runs (here: no GPU or the simulator), the status names why."""
     from executor.numba_cuda.device import is_gpu_available
 
-    from tests.executor.numba_cuda.kernel_support import tma_statuses
+    from tests.executor.numba_cuda.kernel_support import walk_statuses
 
     if is_gpu_available():
         pytest.skip("a GPU is here")
-    assert tma_statuses(monkeypatch, "lookahead") == (attention_flash.LOOKAHEAD_OFF,
+    assert walk_statuses(monkeypatch, "lookahead") == (attention_flash.LOOKAHEAD_OFF,
                                                       f"no wgmma walk: {attention_flash.wgmma_status()}")
 
 

@@ -24,7 +24,7 @@ from executor.numba_cuda import attention_flash  # noqa: E402
 from executor.numba_cuda.attention_mm import MatrixAttention  # noqa: E402
 from executor.numba_cuda.device import poisoned, to_device  # noqa: E402
 from tests.executor.numba_cuda.cases_attention_mm import _emulated, _ref, _setup  # noqa: E402
-from tests.executor.numba_cuda.kernel_support import as_f32, host, rng, tma_statuses  # noqa: E402
+from tests.executor.numba_cuda.kernel_support import as_f32, host, rng, walk_statuses  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
 TOL = 8e-3
@@ -243,8 +243,8 @@ def test_the_wgmma_walk_runs_on_the_h200(monkeypatch):
 
     if tuple(cuda.get_current_device().compute_capability) == (9, 0):
         assert attention_flash.wgmma_status() is None
-        assert tma_statuses(monkeypatch) == (attention_flash.TMA_OFF, None)
-        assert tma_statuses(monkeypatch, "lookahead") == (attention_flash.LOOKAHEAD_OFF, None)
+        assert walk_statuses(monkeypatch) == (attention_flash.TMA_OFF, None)
+        assert walk_statuses(monkeypatch, "lookahead") == (attention_flash.LOOKAHEAD_OFF, None)
 
 
 @pytest.mark.usefixtures("wgmma")
