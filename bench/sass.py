@@ -13,8 +13,10 @@ the PTX does not show and only the SASS does; attention_wgmma.LOOKAHEAD_KERNEL p
 
 Needs cuda-bindings with NVRTC (the `sass` extra: pip install -e '.[sass]', part of dev) and, for
 the SASS, cuobjdump and nvdisasm (the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels, or a
-CUDA toolkit on PATH). The NVRTC here is not the H200 machine's, so its ptxas may allocate a few
-registers differently: the GPU's own build (attention_wgmma.module) is the one that runs.
+CUDA toolkit on PATH). The `sass` extra pins NVRTC 13.0.88, the GPU machine's: the GPU's own build
+(attention_wgmma.module) is the one that runs, and ptxas versions differ. NVRTC 13.5's ptxas kept the
+lookahead walk's P V operands apart where 13.0's merged them with the next P and serialized every
+wgmma (C7513; bench/RESULTS.md, session 35). Which NVRTC loaded: `nvrtc.nvrtcVersion()`.
 
 Usage: python -m bench.sass [--source attention|bench] [--kernels NAME,...] [--dump DIR]
 """
@@ -101,6 +103,14 @@ def tool(name: str) -> str | None:
     return None
 
 
+def nvrtc_version() -> str:
+    """The loaded NVRTC's "major.minor" (its ptxas is the one `build` runs)."""
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
 def sass_unavailable() -> str | None:
     """Why `sass` cannot run here (None when it can)."""
     missing = [n for n in ("cuobjdump", "nvdisasm") if tool(n) is None]
@@ -180,6 +190,13 @@ def loop_top(instructions: list[str]) -> list[str]:
     return names
 
 
+LOOKAHEAD_LOOP_TOP = ["cp.async wait 1", "proxy fence", "barrier", "wgmma", "copy"]
+"""attention_wgmma.LOOKAHEAD_KERNEL's loop top (`loop_top`): block b's copies in, visible to wgmma,
+every warpgroup past the barrier (done with the slots the next copies overwrite), S and P V issued,
+then the next copies under them (tests/bench/test_sass.py on the CPU, test_gpu_flash_attention.py on
+the GPU's own build)."""
+
+
 def summary(instructions: list[str]) -> dict:
     """Counts in a kernel's SASS: HGMMA by shape, WARPGROUP.DEPBAR by level, spill traffic (STL,
     LDL), CTA barriers, and `overlap_windows`."""
@@ -236,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as exc:
         parser.error(str(exc))
     reports = ptxas_report(log)
+    if not reports:  # seen once on the GPU machine (session 34's call): a table with no rows
+        parser.error(f"NVRTC {nvrtc_version()}'s log names no entry function (no ptxas -v lines): {log[:400]!r}")
     names = [k.strip() for k in args.kernels.split(",") if k.strip()] or sorted(reports)
     unknown = [n for n in names if n not in reports]
     if unknown:
@@ -260,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cells += ["-", "-", "-", "-", "-"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    print(f"\nNVRTC {nvrtc_version()}")
     if why is not None:
         print(f"\nno SASS: {why}")
 

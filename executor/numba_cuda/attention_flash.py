@@ -320,8 +320,8 @@ def tma_status() -> str | None:
     return _opt_in_walk("WARMSTATE_FLASH_TMA", TMA_OFF, attention_wgmma.tma_unavailable, tma=True)
 
 
-LOOKAHEAD_OFF = ("off by default (WARMSTATE_FLASH_LOOKAHEAD=1 turns it on; not yet run on a GPU: "
-                 "bench/RESULTS.md, session 33)")
+LOOKAHEAD_OFF = ("off by default (WARMSTATE_FLASH_LOOKAHEAD=1 turns it on; slower than the backend's walk on "
+                 "the H200: bench/RESULTS.md, session 35)")
 """`lookahead_status` without WARMSTATE_FLASH_LOOKAHEAD=1."""
 
 

@@ -18,9 +18,8 @@ its bits before first use): on the H200 it ran 0.97-0.98x of the cp.async walk a
 copies were not what bounds the walk. LOOKAHEAD_KERNEL is KERNEL's walk in FlashAttention-3's
 order (the tensor cores run the next block's S and this block's P V while the warps work out the
 next block's softmax; KERNEL waits for each S before its softmax, so the two alternate): opt-in
-too (WARMSTATE_FLASH_LOOKAHEAD=1, attention_flash.lookahead_status), written without a GPU in
-session 33 and checked only on the CPU (NVRTC's ptxas and cuobjdump's SASS:
-tests/bench/test_sass.py).
+too (WARMSTATE_FLASH_LOOKAHEAD=1, attention_flash.lookahead_status): on the H200 it gives KERNEL's
+bits and is slower (0.92x at the 9B's 8192-row chunk from 24,576 keys; bench/RESULTS.md, session 35).
 
 Not available under the CUDA simulator (no NVRTC, no wgmma) or without cuda-bindings.
 """
@@ -44,7 +43,7 @@ LOOKAHEAD_KERNEL = "flash_wgmma_lookahead_prefill_256"
 """The launchable walk in FlashAttention-3's intra-warpgroup order (`lookahead_walk` in the source:
 S of the next key block and P V of this one on the tensor cores while the warps work out the next
 block's probabilities; one CTA barrier a block): the same products and softmax in the same order,
-so the same bits. Opt-in (attention_flash.lookahead_status); not yet run on a GPU (session 33)."""
+so the same bits. Opt-in (attention_flash.lookahead_status): slower than KERNEL on the H200 (session 35)."""
 HEAD_DIM = 256
 """The only head_dim the walk is built for (every Qwen3.5 attention layer's)."""
 THREADS = 256

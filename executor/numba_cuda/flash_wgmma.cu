@@ -391,8 +391,10 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
 // runs a block ahead of V in the same 96 KB ring, and a block needs one barrier, not two. Every
 // product, its operands and its order, and every softmax and fold operation are the backend walk's,
 // in the same order per row: every output bit the same. Opt-in (attention_wgmma.LOOKAHEAD_KERNEL,
-// WARMSTATE_FLASH_LOOKAHEAD=1); written in session 33 without a GPU, its SASS checked on the CPU
-// (tests/bench/test_sass.py): not yet run.
+// WARMSTATE_FLASH_LOOKAHEAD=1), its SASS checked on the CPU (tests/bench/test_sass.py). On the H200
+// (session 35) its bits are the backend walk's, its softmax overlaps P V, and it is slower: 11.45
+// against 10.55 ms at the 9B's 8192 rows from 24,576 keys (the backend's two warpgroups already
+// overlap one's softmax with the other's products; this walk runs at 255 registers and spills).
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 // wg_wait0 placed after the work that computes x. ptxas schedules a WARPGROUP.DEPBAR as early as it
@@ -428,6 +430,13 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
     float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + RING_BYTES), c.warp,
                                     c.lane);
     const int last = c.blocks;
+    // 0 (q_heads < 2^30), a value ptxas cannot know. P V's A registers must not be the registers the
+    // next block's P is written to while P V runs (else ptxas serializes every wgmma, C7513). A plain
+    // `mov.b32 pf, pn` was enough for NVRTC 13.5's ptxas. NVRTC 13.0's (the GPU machine's) propagated
+    // the copy: P V read pn itself, the softmax wrote it under P V, and every wgmma was serialized
+    // (session 35: the walk 1.48x the mma.sync walk's speed against the backend walk's 1.76x).
+    // pn ^ opaque_zero is a new value to both.
+    const u32 opaque_zero = static_cast<u32>(q_heads) >> 30;
     auto k_slot = [&](int block) { return ring0 + 2u * (block % STAGES) * BLOCK_BYTES; };
     auto v_slot = [&](int block) { return ring0 + 2u * (block % STAGES) * BLOCK_BYTES + BLOCK_BYTES; };
     auto load_group = [&](int j) {  // G_j = {K_{j+1}, V_j}: one copy group, empty past the last block
@@ -491,8 +500,8 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
 #pragma unroll
         for (int k = 0; k < BN / 16; ++k)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)  // a real copy: P V's A registers must not be the next P's (C7513)
-                asm volatile("mov.b32 %0, %1;" : "=r"(pf[k][e]) : "r"(pn[k][e]));
+            for (int e = 0; e < 4; ++e)  // P V's A registers: pn ^ 0, a new value, not a copy (see `opaque_zero`)
+                asm volatile("xor.b32 %0, %1, %2;" : "=r"(pf[k][e]) : "r"(pn[k][e]), "r"(opaque_zero));
         issue_scores(b + 1);
         wg_fence();
 #pragma unroll

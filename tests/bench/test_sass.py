@@ -9,6 +9,7 @@ by the GPU bit tests: a copy into the wrong slot, a wrong segment end, a dropped
 
 import pytest
 
+from bench.sass import LOOKAHEAD_LOOP_TOP as LOOP_TOP
 from bench.sass import KernelReport, loop_top, overlap_windows, ptxas_report, summary
 
 LOG = """ptxas info    : 0 bytes gmem
@@ -129,15 +130,9 @@ def test_the_lookahead_walk_works_out_a_softmax_while_its_p_v_runs(built):
     window = window[:next(i for i, ins in enumerate(window) if ins.startswith("WARPGROUP.DEPBAR"))]
     assert not [ins for ins in window if ins.startswith(("STL", "LDL"))]  # no spill under the overlap
     report = ptxas_report(built[1])[attention_wgmma.LOOKAHEAD_KERNEL]
-    assert report.spill_stores <= 64 and report.spill_loads <= 64, report  # 52 / 48 B with NVRTC 13.5
+    assert report.spill_stores <= 80 and report.spill_loads <= 80, report  # 76 / 72 B with NVRTC 13.0 and 13.5
     plain = summary(_sass(built[0], attention_wgmma.KERNEL))
     assert plain["overlap_windows"] == [] and plain["waits"] == {0: 2}
-
-
-LOOP_TOP = ["cp.async wait 1", "proxy fence", "barrier", "wgmma", "copy"]
-"""The lookahead walk's loop top (bench.sass.loop_top): block b's copies in, visible to wgmma, every
-warpgroup past the barrier (done with the slots the next copies overwrite), S and P V issued, then
-the next copies under them."""
 
 
 def _planted(replace):

@@ -323,7 +323,7 @@ def test_this_machine_s_build_of_the_lookahead_walk_overlaps():
     for P V, and the loop top in its order. A ptxas that moves the wait up again keeps the bits and
     loses the speed; this says so. Needs cuobjdump and nvdisasm (the nvidia-cuda-cuobjdump and
     nvidia-cuda-nvdisasm wheels), else skips."""
-    from bench.sass import sass, sass_unavailable, summary
+    from bench.sass import LOOKAHEAD_LOOP_TOP, sass, sass_unavailable, summary
     from executor.numba_cuda import attention_wgmma
     from executor.numba_cuda.nvrtc import compile_cubin
 
@@ -332,7 +332,7 @@ def test_this_machine_s_build_of_the_lookahead_walk_overlaps():
     cubin, _ = compile_cubin(attention_wgmma.source(), "flash_wgmma.cu")
     got = summary(sass(cubin, attention_wgmma.LOOKAHEAD_KERNEL))
     assert got["overlap_windows"] == [18]
-    assert got["loop_top"] == ["cp.async wait 1", "proxy fence", "barrier", "copy", "wgmma"]
+    assert got["loop_top"] == LOOKAHEAD_LOOP_TOP
 
 
 def test_wgmma_can_be_turned_off(monkeypatch):
