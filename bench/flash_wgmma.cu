@@ -524,7 +524,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 
 // The backend's walk (executor/numba_cuda/flash_wgmma.cu, K/V in the 128-byte swizzle) with its
 // warpgroups taking turns on the tensor cores (wgmma_walk's PINGPONG): written in session 27 after
-// the swizzle took the copies off the critical path, not yet run on a GPU.
+// the swizzle took the copies off the critical path; on the H200 (session 28) 1.37-1.71x the backend walk's
+// speed on short walks, 0.94x at the 9B's long chunks.
 extern "C" __global__ void __launch_bounds__(256, 1)
     flash_wgmma_swz_pingpong_256(const float* q, const float* qg, const bf16_t* kc, const bf16_t* vc, bf16_t* out,
                                  int rows, int start, int q_heads, int kv_heads, float scale) {

@@ -13,7 +13,8 @@ the PTX does not show and only the SASS does; attention_wgmma.LOOKAHEAD_KERNEL p
 
 Needs cuda-bindings with NVRTC (the `sass` extra: pip install -e '.[sass]', part of dev) and, for
 the SASS, cuobjdump and nvdisasm (the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels, or a
-CUDA toolkit on PATH). The `sass` extra pins NVRTC 13.0.88, the GPU machine's: the GPU's own build
+CUDA toolkit on PATH). The `sass` extra pins NVRTC 13.0.88 (the GPU machine reports 13.0, and this
+build reproduced its SASS): the GPU's own build
 (attention_wgmma.module) is the one that runs, and ptxas versions differ. NVRTC 13.5's ptxas kept the
 lookahead walk's P V operands apart where 13.0's merged them with the next P and serialized every
 wgmma (C7513; bench/RESULTS.md, session 35). Which NVRTC loaded: `nvrtc.nvrtcVersion()`.
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as exc:
         parser.error(str(exc))
     reports = ptxas_report(log)
-    if not reports:  # seen once on the GPU machine (session 34's call): a table with no rows
+    if not reports:  # seen once on the GPU machine (session 35, call A): a table with no rows
         parser.error(f"NVRTC {nvrtc_version()}'s log names no entry function (no ptxas -v lines): {log[:400]!r}")
     names = [k.strip() for k in args.kernels.split(",") if k.strip()] or sorted(reports)
     unknown = [n for n in names if n not in reports]

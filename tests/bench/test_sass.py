@@ -45,6 +45,19 @@ def test_a_note_that_names_no_function_is_kept():
     assert reports[""].notes == ("(C7599) Some note with no function",) and set(reports) == {"", "a", "b"}
 
 
+def test_a_log_that_names_no_entry_function_stops_the_table(monkeypatch, capsys):
+    """Session 35's call A printed a table with no rows on the GPU machine; now it says why."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC needs cuda-bindings (the sass extra)")
+    from bench import sass
+
+    monkeypatch.setattr(sass, "build", lambda which="attention", replace=(): (b"", "ptxas info    : 0 bytes gmem"))
+    with pytest.raises(SystemExit) as stop:
+        sass.main([])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "log names no entry function" in err and "0 bytes gmem" in err and "NVRTC 13." in err
+
+
 def test_a_window_counts_the_exponentials_between_a_wait_for_one_and_the_next_wait():
     sass = ["HGMMA.64x32x16.F32.BF16 R1, R2, gdesc[UR4], R1, gsb0 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
             "MUFU.EX2 R3, R3 ;", "FMUL R4, R4, R5 ;", "MUFU.EX2 R6, R6 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
