@@ -14,10 +14,10 @@ the PTX does not show and only the SASS does; attention_wgmma.LOOKAHEAD_KERNEL p
 Needs cuda-bindings with NVRTC (the `sass` extra: pip install -e '.[sass]', part of dev) and, for
 the SASS, cuobjdump and nvdisasm (the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels, or a
 CUDA toolkit on PATH). The `sass` extra pins NVRTC 13.0.88 (the GPU machine reports 13.0, and this
-build reproduced its SASS): the GPU's own build
-(attention_wgmma.module) is the one that runs, and ptxas versions differ. NVRTC 13.5's ptxas kept the
-lookahead walk's P V operands apart where 13.0's merged them with the next P and serialized every
-wgmma (C7513; bench/RESULTS.md, session 35). Which NVRTC loaded: `nvrtc.nvrtcVersion()`.
+build reproduced its SASS): the GPU's own build (attention_wgmma.module) is the one that runs, and
+ptxas versions differ. NVRTC 13.5's ptxas kept the lookahead walk's P V operands apart where 13.0's
+merged them with the next P and serialized every wgmma (C7513; bench/RESULTS.md, session 35). The
+table ends with the NVRTC that ran (`nvrtc_version`).
 
 Usage: python -m bench.sass [--source attention|bench] [--kernels NAME,...] [--dump DIR]
 """

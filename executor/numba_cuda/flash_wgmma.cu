@@ -430,12 +430,12 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
     float4* total = zeroed_total<D>(reinterpret_cast<bf16_t*>(smem_bytes + (ring0 - base) + RING_BYTES), c.warp,
                                     c.lane);
     const int last = c.blocks;
-    // 0 (q_heads, an int32 head count, is >= 0), a value ptxas cannot know. P V's A registers must not be the registers the
-    // next block's P is written to while P V runs (else ptxas serializes every wgmma, C7513). A plain
-    // `mov.b32 pf, pn` was enough for NVRTC 13.5's ptxas. NVRTC 13.0's (the GPU machine's) propagated
-    // the copy: P V read pn itself, the softmax wrote it under P V, and every wgmma was serialized
-    // (session 35: the walk 1.48x the mma.sync walk's speed against the backend walk's 1.76x).
-    // pn ^ opaque_zero is a new value to both.
+    // 0 (q_heads, an int32 head count, is >= 0), a value ptxas cannot know. P V's A registers must not
+    // be the registers the next block's P is written to while P V runs (else ptxas serializes every
+    // wgmma, C7513). A plain `mov.b32 pf, pn` was enough for NVRTC 13.5's ptxas. NVRTC 13.0's (the GPU
+    // machine's) propagated the copy: P V read pn itself, the softmax wrote it under P V, and every
+    // wgmma was serialized (session 35: the walk 1.48x the mma.sync walk's speed against the backend
+    // walk's 1.76x). pn ^ opaque_zero is a new value to both.
     const u32 opaque_zero = static_cast<u32>(q_heads) >> 31;
     auto k_slot = [&](int block) { return ring0 + 2u * (block % STAGES) * BLOCK_BYTES; };
     auto v_slot = [&](int block) { return ring0 + 2u * (block % STAGES) * BLOCK_BYTES + BLOCK_BYTES; };

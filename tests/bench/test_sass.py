@@ -9,8 +9,7 @@ by the GPU bit tests: a copy into the wrong slot, a wrong segment end, a dropped
 
 import pytest
 
-from bench.sass import LOOKAHEAD_LOOP_TOP as LOOP_TOP
-from bench.sass import KernelReport, loop_top, overlap_windows, ptxas_report, summary
+from bench.sass import LOOKAHEAD_LOOP_TOP as LOOP_TOP, KernelReport, loop_top, overlap_windows, ptxas_report, summary
 
 LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
