@@ -163,6 +163,16 @@ def overlap_windows(instructions: list[str]) -> list[int]:
     return windows
 
 
+def hgmma_gaps(instructions: list[str], shape: str) -> list[int]:
+    """The number of instructions between consecutive `HGMMA.<shape>` (e.g. "64x32x16", S = Q K^T
+    of the 256-dim walks' 32-key blocks), in order: what a warpgroup issues between two of its
+    products. The backend walk works each block's descriptors out once (`wg_desc_plus`), so
+    between S's 16 products it only adds an offset and moves the descriptor to uniform registers
+    (4 instructions; 7 when each was built from its address, session 36)."""
+    at = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.{shape}.")]
+    return [b - a - 1 for a, b in zip(at, at[1:])]
+
+
 STEPS = (("cp.async wait 1", "DEPBAR.LE SB0, 0x1"), ("proxy fence", "FENCE.VIEW.ASYNC"), ("barrier", "BAR.SYNC"),
          ("copy", "LDGSTS"), ("wgmma", "HGMMA"))
 """`loop_top`'s steps: (name, how its SASS instruction starts, after any predicate)."""

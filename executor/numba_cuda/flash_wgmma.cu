@@ -34,6 +34,14 @@ __device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 lbo, u32 sbo
 __device__ __forceinline__ unsigned long long wg_desc_128b(u32 addr, u32 lbo, u32 sbo) {
     return wg_desc(addr, lbo, sbo) | (1ull << 62);
 }
+// wg_desc_128b(addr + offset, ...) from desc = wg_desc_128b(addr, ...): the address field (bits
+// 0-13, addr >> 4) moves by offset >> 4; nothing carries out of it while addr + offset < 256 KB
+// (shared memory is 228 KB). The walk works each block's two descriptors out once and adds the
+// k-steps' offsets: 4 instructions between S's products instead of 7, 464 a warp a block instead
+// of 513, the same descriptors (bench/RESULTS.md, session 36: 0.88x the time at 9B's 32K chunks).
+__device__ __forceinline__ unsigned long long wg_desc_plus(unsigned long long desc, u32 offset) {
+    return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (offset >> 4));
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -328,12 +336,13 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     auto scores = [&](int b, u32 k_addr) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        const unsigned long long k_desc = wg_desc_128b(k_addr, 16, 1024);
         turns.mine();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; ++k)  // k-step k: chunk k / 4, 32 bytes a step inside it
             wgmma_s(reinterpret_cast<float(&)[BN / 2]>(s), w.qf[k],
-                    wg_desc_128b(k_addr + (k / 4) * BN * 128 + (k % 4) * 32, 16, 1024));
+                    wg_desc_plus(k_desc, (k / 4) * BN * 128 + (k % 4) * 32));
         wg_commit();
         turns.pass();
         wg_wait0();
@@ -343,11 +352,12 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
     auto values = [&](int b, u32 v_addr) {
         u32 pf[BN / 16][4];
         block_softmax<D, BN>(pf, s, w.m, w.l, w.acc, c.pos, b, b >= c.unmasked, w.scale2, c.t);
+        const unsigned long long v_desc = wg_desc_128b(v_addr, BN * 128, 1024);
         turns.mine();
         wg_fence();
 #pragma unroll
         for (int k = 0; k < BN / 16; ++k)  // keys 16 k..: the next 64 dims BN * 128 bytes on, 8 keys 1024
-            wgmma_o(reinterpret_cast<float(&)[D / 2]>(w.acc), pf[k], wg_desc_128b(v_addr + k * 2048, BN * 128, 1024));
+            wgmma_o(reinterpret_cast<float(&)[D / 2]>(w.acc), pf[k], wg_desc_plus(v_desc, k * 2048));
         wg_commit();
         turns.pass();
     };

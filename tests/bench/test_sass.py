@@ -9,7 +9,15 @@ by the GPU bit tests: a copy into the wrong slot, a wrong segment end, a dropped
 
 import pytest
 
-from bench.sass import LOOKAHEAD_LOOP_TOP as LOOP_TOP, KernelReport, loop_top, overlap_windows, ptxas_report, summary
+from bench.sass import (
+    LOOKAHEAD_LOOP_TOP as LOOP_TOP,
+    KernelReport,
+    hgmma_gaps,
+    loop_top,
+    overlap_windows,
+    ptxas_report,
+    summary,
+)
 
 LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
@@ -66,6 +74,15 @@ def test_a_window_counts_the_exponentials_between_a_wait_for_one_and_the_next_wa
     assert summary(sass) == {"hgmma": {"64x32x16": 1}, "waits": {0: 2, 1: 2}, "stl": 1, "ldl": 0, "bar_sync": 1,
                              "overlap_windows": [2, 0], "loop_top": []}
     assert overlap_windows([ins for ins in sass if "0x1" not in ins]) == []
+
+
+def test_gaps_count_the_instructions_between_products_of_one_shape():
+    code = ["HGMMA.64x32x16.F32.BF16 R152, R168, gdesc[UR4], RZ, !UPT ;", "IADD3 R1, R2, 0x2, RZ ;",
+            "R2UR UR4, R1 ;", "HGMMA.64x32x16.F32.BF16 R152, R172, gdesc[UR4], R152 ;", "MOV R3, R4 ;",
+            "HGMMA.64x256x16.F32.BF16 R24, R232, gdesc[UR4].tnspB, R24 ;",
+            "HGMMA.64x32x16.F32.BF16 R152, R176, gdesc[UR4], R152, gsb0 ;"]
+    assert hgmma_gaps(code, "64x32x16") == [2, 2]
+    assert hgmma_gaps(code, "64x256x16") == []
 
 
 def test_the_loop_top_names_each_step_where_it_first_comes():
@@ -125,6 +142,18 @@ def _sass(cubin, kernel):
     if why is not None:
         pytest.skip(why)
     return sass(cubin, kernel)
+
+
+def test_the_backend_walks_issue_s_products_four_instructions_apart(built):
+    """S = Q K^T is 16 wgmmas a block; each block's descriptors are worked out once, so between two
+    products a warpgroup issues an offset add and the descriptor's move to uniform registers. Built
+    from its address each time (wg_desc_128b per product), the gaps were 7 (session 36)."""
+    from executor.numba_cuda import attention_wgmma
+
+    for name in (attention_wgmma.KERNEL, attention_wgmma.TMA_KERNEL):
+        gaps = hgmma_gaps(_sass(built[0], name), "64x32x16")
+        assert len(gaps) == 15, (name, gaps)
+        assert max(gaps) <= 5, (name, gaps)
 
 
 def test_the_lookahead_walk_works_out_a_softmax_while_its_p_v_runs(built):
