@@ -10,7 +10,8 @@ CUDA graphs; tokens/s against the roofline lanes / (weight bytes per step / copy
 bandwidth), and against a fuller floor that adds the K/V rows and recurrent states a step
 must read. Prefill: one chunk of `rows` rows from an empty state; TTFT (wall, logits on
 the host; the median of `--ttft-repeats` prefills, 3 by default, each listed in the JSON's
-`ttft_runs_s`; the peer's is one prefill) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
+`ttft_runs_s`, with `logits_sha256` of the last row's logits, the same in every run or the bench
+stops; the peer's is one prefill) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
 measured GEMM rate). Per-kernel device times (launches queued behind a spin kernel, events
 around each call) say where the time goes. One file with the peer (~400 lines): the two
 sides share the weights, the rooflines and the table.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import itertools
 import json
 import os
@@ -254,10 +256,17 @@ def prefill_settings(cfg: BenchConfig, chosen: tuple) -> list[tuple]:
     return [s for s in itertools.product(*lists) if s[0] == "flash" or s[4] == lists[4][0]]
 
 
+def logits_digest(logits: np.ndarray) -> str:
+    """sha256 (hex, first 16 digits) of a prefill's last-row logits as float32 bytes: the same
+    seeded weights and prompt give the same digest on any build that keeps every bit, so two
+    builds timed in one run show whether a change kept the bits end to end."""
+    return hashlib.sha256(np.ascontiguousarray(logits, np.float32).tobytes()).hexdigest()[:16]
+
+
 def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile: bool) -> dict:
     rng = np.random.default_rng(cfg.seed + rows)
     ids = [int(t) for t in rng.integers(0, backend.config.vocab_size, rows)]
-    runs = []
+    runs, digests = [], set()
     for _ in range(max(1, cfg.ttft_repeats)):
         state = backend.new_state()
         t0 = time.perf_counter()
@@ -265,7 +274,11 @@ def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile
         runs.append(time.perf_counter() - t0)
         backend.release(state)
         assert np.isfinite(logits).all(), "non-finite prefill logits"
-    out = {"rows": rows, "ttft_s": float(np.median(runs)), "ttft_runs_s": [round(t, 4) for t in runs]}
+        digests.add(logits_digest(logits))
+    if len(digests) != 1:
+        raise AssertionError(f"prefill of {rows} rows gave {len(digests)} different last-row logits over {len(runs)} runs")
+    out = {"rows": rows, "ttft_s": float(np.median(runs)), "ttft_runs_s": [round(t, 4) for t in runs],
+           "logits_sha256": digests.pop()}
     if profile:
         state = backend.new_state()
         s = state.slot
@@ -429,7 +442,8 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
             r["attention"], r["delta"], r["accumulate"], r["gemm_large"] = path, delta, accumulate, large
             r["flash_lookahead"] = lookahead if path == "flash" else None  # the other paths have no walk
             result["prefill"].append(r)
-            log(f"{name} prefill {rows} ({_setting(r)}): TTFT {r['ttft_s']:.3f} s (runs {r['ttft_runs_s']})")
+            log(f"{name} prefill {rows} ({_setting(r)}): TTFT {r['ttft_s']:.3f} s (runs {r['ttft_runs_s']}), "
+                f"logits sha256 {r['logits_sha256']}")
     backend.gemm.large = chosen_large
     backend.set_prefill_attention(chosen, after_prefill=True)
     backend.set_prefill_delta(chosen_delta, after_prefill=True)

@@ -1,10 +1,15 @@
 """The CPU side of bench/decode_prefill.py (its runs need the H200): which prefill settings a run
-times side by side, the flags that choose them, and the table's lookahead column."""
+times side by side, the flags that choose them, the table's lookahead column, and the logits digest
+that shows two builds kept every bit."""
 
 import attrs
 import pytest
 
-from bench.decode_prefill import BenchConfig, main, prefill_settings, tables
+import hashlib
+
+import numpy as np
+
+from bench.decode_prefill import BenchConfig, logits_digest, main, prefill_ours, prefill_settings, tables
 
 CHOSEN = ("flash", "mma", True, True, False)
 """A backend's own choices: flash attention, the tensor-core delta rule, accumulate and large-M on,
@@ -42,3 +47,42 @@ def test_the_prefill_table_has_the_lookahead_column():
     lines = [x for x in text.splitlines() if x.startswith("| qwen3.5-9b | 32768")]
     assert [x.split(" | ")[6] for x in lines] == ["off", "on", "-"]
     assert "| lookahead |" in text
+
+
+class _FakeBackend:
+    """prefill returns the logits of `outputs` in turn (a stand-in for the GPU backend)."""
+
+    def __init__(self, outputs):
+        self.config = attrs.make_class("C", {"vocab_size": attrs.field(default=50)})()
+        self.outputs = list(outputs)
+
+    def new_state(self):
+        return object()
+
+    def release(self, state):
+        pass
+
+    def prefill(self, state, ids, span):
+        assert span == (0, len(ids))
+        return self.outputs.pop(0)
+
+
+def test_the_digest_is_the_sha256_of_the_float32_logits():
+    logits = np.array([1.0, -2.5, 3.25], np.float32)
+    assert logits_digest(logits) == hashlib.sha256(logits.tobytes()).hexdigest()[:16]
+    assert logits_digest(logits.astype(np.float64)) == logits_digest(logits)
+    flipped = logits.copy()
+    flipped.view(np.uint32)[1] ^= 1  # one bit of one logit
+    assert logits_digest(flipped) != logits_digest(logits)
+
+
+def test_a_prefill_records_its_digest_and_stops_when_runs_differ():
+    cfg = attrs.evolve(BenchConfig(), ttft_repeats=3)
+    same = np.linspace(-1, 1, 50, dtype=np.float32)
+    out = prefill_ours(_FakeBackend([same, same.copy(), same.copy()]), 16, cfg, profile=False)
+    assert out["logits_sha256"] == logits_digest(same)
+    assert len(out["ttft_runs_s"]) == 3
+    other = same.copy()
+    other[7] = np.nextafter(other[7], np.float32(2))
+    with pytest.raises(AssertionError, match="16 rows gave 2 different last-row logits over 3 runs"):
+        prefill_ours(_FakeBackend([same, other, same.copy()]), 16, cfg, profile=False)
