@@ -421,7 +421,9 @@ struct WalkSmem {
 
 // Phase 2: one CTA of WARPS warps per (BV state columns, value head) walks the sub-chunks.
 // Sub-chunk rows: warp w owns m-tile w % 4 and n-tiles w / 4 + (WARPS / 4) j of V' and O;
-// state rows: warp w owns key m-tiles w + WARPS j. S and V' are B operands that 4 or 8 warps
+// state rows: warp w owns key m-tiles w + WARPS j, all NT n-tiles of them, held in the order
+// `nb` gives: its V' / O n-tiles first, so that one pass over V' makes both M V' and the state
+// update (each V' fragment read once for both). S and V' are B operands that 4 or 8 warps
 // read: the warp that owns an element stores its tf32 pair once (split_store), and the
 // readers multiply without converting (mma_split_b).
 // A step has three barriers: (1) S stored and stage A (W, q rows) in, (2) W S and q S done and
@@ -435,11 +437,15 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                                      int off, int key_heads, int value_heads, int value_dim) {
     using L = WalkSmem<KD, BV>;
     constexpr int THREADS = WARPS * 32;
+    constexpr int G = WARPS / 4;                     // warps that share an m-tile of V' and O
     constexpr int NT = BV / 8;                       // n-tiles of the CTA's columns
-    constexpr int PJ = NT / (WARPS / 4);             // n-tiles of V' / O a warp owns
+    constexpr int PJ = NT / G;                       // n-tiles of V' / O a warp owns
     constexpr int MT = KD / 16;                      // m-tiles of the state
     constexpr int SJ = (MT + WARPS - 1) / WARPS;     // state m-tiles a warp owns (at most)
-    static_assert(WARPS % 4 == 0 && NT % (WARPS / 4) == 0 && KD % 16 == 0, "tile split");
+    constexpr int RS = THREADS / (KD / 4);           // W / q / k rows one pass of 16-byte copies covers
+    constexpr int MS = THREADS / (C / 4);            // M rows one pass covers
+    static_assert(WARPS % 4 == 0 && NT % G == 0 && KD % 16 == 0, "tile split");
+    static_assert(THREADS % (KD / 4) == 0 && C % RS == 0 && C % MS == 0 && THREADS >= 2 * C / 4, "copy split");
     extern __shared__ __align__(16) float smem[];
     float* ws = smem + L::W;
     float* qs = smem + L::Q;
@@ -459,52 +465,67 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
     const size_t row_len = (size_t)key_heads * KD;
     state += (size_t)hv * KD * value_dim;  // this value head's [KD, value_dim] state
 
+    // The warp's state n-tiles in the order it holds them, as column offsets nb[i] = 8 n-tile:
+    // its V' / O n-tiles w / 4 + G j first (i = j < PJ), then the others. A state element is
+    // one chain of products whichever register holds it: the order changes no bit.
+    int nb[NT];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) nb[i] = 8 * ((warp / 4 + i / PJ) % G + G * (i % PJ));
+
     float sacc[SJ][NT][4];
 #pragma unroll
     for (int j = 0; j < SJ; ++j) {
         const int mt = warp + WARPS * j;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int i = 0; i < NT; ++i) {
             if (mt < MT) {
-                const float* src = state + (size_t)(16 * mt + gq) * value_dim + col0 + 8 * nt + 2 * tq;
+                const float* src = state + (size_t)(16 * mt + gq) * value_dim + col0 + nb[i] + 2 * tq;
                 const float2 a = *reinterpret_cast<const float2*>(src);
                 const float2 b = *reinterpret_cast<const float2*>(src + 8 * value_dim);
-                sacc[j][nt][0] = a.x;
-                sacc[j][nt][1] = a.y;
-                sacc[j][nt][2] = b.x;
-                sacc[j][nt][3] = b.y;
+                sacc[j][i][0] = a.x;
+                sacc[j][i][1] = a.y;
+                sacc[j][i][2] = b.x;
+                sacc[j][i][3] = b.y;
             } else {
-                sacc[j][nt][0] = sacc[j][nt][1] = sacc[j][nt][2] = sacc[j][nt][3] = 0.f;
+                sacc[j][i][0] = sacc[j][i][1] = sacc[j][i][2] = sacc[j][i][3] = 0.f;
             }
         }
     }
 
+    // Copy slots, the same every step: a thread copies the 16 bytes at column cc of rows
+    // cr + RS r of W, q and k, and at column mc of rows mr + MS r of M (the same elements a
+    // loop over e = tid, tid + THREADS, ... copies). Fixed slots cost a pointer add a copy where
+    // the loop redid the division and the row arithmetic for each (~34 SASS instructions a copy).
+    const int cr = tid / (KD / 4), cc = 4 * (tid % (KD / 4));
+    const int mr = tid / (C / 4), mc = 4 * (tid % (C / 4));
+    const size_t qk_at = (size_t)cr * row_len + (size_t)kh * KD + cc;  // plus lo rows: a q / k slot
+    const size_t pass_len = (size_t)RS * row_len;
+
     // stage A: W and q rows of sub-chunk s; stage B: k rows, M, e^c / e^(c_last - c)
     auto stage_a = [&](int s) {
         const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
-        const float* w = w_in + ((size_t)s * value_heads + hv) * C * KD;
-        for (int e = tid; e < C * (KD / 4); e += THREADS) {
-            const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
-            copy16(ws + i * L::LW + c4, w + i * KD + c4, true);
-            const bool live = i < n;
-            copy16(qs + i * L::LW + c4, live ? q + (size_t)(lo + i) * row_len + (size_t)kh * KD + c4 : q, live);
+        const float* w = w_in + ((size_t)s * value_heads + hv) * C * KD + cr * KD + cc;
+        const size_t at = (size_t)lo * row_len + qk_at;
+#pragma unroll
+        for (int r = 0; r < C / RS; ++r) {
+            copy16(ws + (cr + RS * r) * L::LW + cc, w + RS * r * KD, true);
+            const bool live = cr + RS * r < n;
+            copy16(qs + (cr + RS * r) * L::LW + cc, live ? q + at + r * pass_len : q, live);
         }
         commit();
     };
     auto stage_b = [&](int s) {
         const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
-        for (int e = tid; e < C * (KD / 4); e += THREADS) {
-            const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
-            const bool live = i < n;
-            copy16(kt + i * L::LK + c4, live ? k + (size_t)(lo + i) * row_len + (size_t)kh * KD + c4 : k, live);
+        const size_t at = (size_t)lo * row_len + qk_at;
+#pragma unroll
+        for (int r = 0; r < C / RS; ++r) {
+            const bool live = cr + RS * r < n;
+            copy16(kt + (cr + RS * r) * L::LK + cc, live ? k + at + r * pass_len : k, live);
         }
-        const float* m = m_in + ((size_t)s * value_heads + hv) * C * C;
-        for (int e = tid; e < C * C / 4; e += THREADS) {
-            const int i = e / (C / 4), c4 = (e % (C / 4)) * 4;
-            copy16(ms + i * L::LM + c4, m + i * C + c4, true);
-        }
-        const float* d = dv_in + ((size_t)s * value_heads + hv) * 2 * C;
-        for (int e = tid; e < 2 * C / 4; e += THREADS) copy16(dv + 4 * e, d + 4 * e, true);
+        const float* m = m_in + ((size_t)s * value_heads + hv) * C * C + mr * C + mc;
+#pragma unroll
+        for (int r = 0; r < C / MS; ++r) copy16(ms + (mr + MS * r) * L::LM + mc, m + MS * r * C, true);
+        if (tid < 2 * C / 4) copy16(dv + 4 * tid, dv_in + ((size_t)s * value_heads + hv) * 2 * C + 4 * tid, true);
         commit();
     };
 
@@ -517,12 +538,12 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             const int mt = warp + WARPS * j;
             if (mt < MT) {
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int at = (16 * mt + gq) * L::LS + 8 * nt + 2 * tq;
-                    split_store<SPLIT>(ss + at, sl + at, sacc[j][nt][0]);
-                    split_store<SPLIT>(ss + at + 1, sl + at + 1, sacc[j][nt][1]);
-                    split_store<SPLIT>(ss + at + 8 * L::LS, sl + at + 8 * L::LS, sacc[j][nt][2]);
-                    split_store<SPLIT>(ss + at + 8 * L::LS + 1, sl + at + 8 * L::LS + 1, sacc[j][nt][3]);
+                for (int i = 0; i < NT; ++i) {
+                    const int at = (16 * mt + gq) * L::LS + nb[i] + 2 * tq;
+                    split_store<SPLIT>(ss + at, sl + at, sacc[j][i][0]);
+                    split_store<SPLIT>(ss + at + 1, sl + at + 1, sacc[j][i][1]);
+                    split_store<SPLIT>(ss + at + 8 * L::LS, sl + at + 8 * L::LS, sacc[j][i][2]);
+                    split_store<SPLIT>(ss + at + 8 * L::LS + 1, sl + at + 8 * L::LS + 1, sacc[j][i][3]);
                 }
             }
         }
@@ -531,7 +552,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             const float* u = u_in + ((size_t)s * value_heads + hv) * C * value_dim + col0;
 #pragma unroll
             for (int j = 0; j < PJ; ++j) {
-                const int col = 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
+                const int col = nb[j] + 2 * tq;
                 const float2 a = *reinterpret_cast<const float2*>(u + (size_t)pr * value_dim + col);
                 const float2 b = *reinterpret_cast<const float2*>(u + (size_t)(pr + 8) * value_dim + col);
                 uf[j][0] = a.x;
@@ -556,7 +577,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             a_fragment(aq, qs, L::LW, pr, k0, tq);
 #pragma unroll
             for (int j = 0; j < PJ; ++j) {
-                const int at = (k0 + tq) * L::LS + 8 * (warp / 4 + (WARPS / 4) * j) + gq;
+                const int at = (k0 + tq) * L::LS + nb[j] + gq;
                 const float bh[2] = {ss[at], ss[at + 4 * L::LS]};
                 const float bl[2] = {sl[at], sl[at + 4 * L::LS]};
                 mma_split_b<SPLIT, true>(p[j], aw, bh, bl);
@@ -571,7 +592,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         const float e0 = dv[pr], e1 = dv[pr + 8];
 #pragma unroll
         for (int j = 0; j < PJ; ++j) {
-            const int at = pr * L::LS + 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
+            const int at = pr * L::LS + nb[j] + 2 * tq;
             split_store<SPLIT>(vn + at, vl + at, __fsub_rn(uf[j][0], p[j][0]));
             split_store<SPLIT>(vn + at + 1, vl + at + 1, __fsub_rn(uf[j][1], p[j][1]));
             split_store<SPLIT>(vn + at + 8 * L::LS, vl + at + 8 * L::LS, __fsub_rn(uf[j][2], p[j][2]));
@@ -583,50 +604,33 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         }
         __syncthreads();  // V' stored
 
-        // O += M V'
-#pragma unroll
-        for (int k0 = 0; k0 < C; k0 += 8) {
-            float am[4];
-            a_fragment(am, ms, L::LM, pr, k0, tq);
-#pragma unroll
-            for (int j = 0; j < PJ; ++j) {
-                const int at = (k0 + tq) * L::LS + 8 * (warp / 4 + (WARPS / 4) * j) + gq;
-                const float bh[2] = {vn[at], vn[at + 4 * L::LS]};
-                const float bl[2] = {vl[at], vl[at + 4 * L::LS]};
-                mma_split_b<SPLIT, true>(z[j], am, bh, bl);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < PJ; ++j) {
-            const int col = col0 + 8 * (warp / 4 + (WARPS / 4) * j) + 2 * tq;
-            if (pr < n)
-                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr) * value_heads + hv) * value_dim + col) =
-                    make_float2(z[j][0], z[j][1]);
-            if (pr + 8 < n)
-                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr + 8) * value_heads + hv) * value_dim + col) =
-                    make_float2(z[j][2], z[j][3]);
-        }
-
-        // S = e^(c_last) S + (k e^(c_last - c))^T V'
+        // O += M V' and S = e^(c_last) S + (k e^(c_last - c))^T V' in one pass over V': the V'
+        // fragments of n-tile nb[i] serve the state update and, for i < PJ, M V' (the same
+        // fragments M V' read on its own before). Each O and state element keeps its chain:
+        // the same products in the same k order.
         const float decay = dv[n - 1];
 #pragma unroll
         for (int j = 0; j < SJ; ++j)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int i = 0; i < NT; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[j][nt][e] = __fmul_rn(sacc[j][nt][e], decay);
+                for (int e = 0; e < 4; ++e) sacc[j][i][e] = __fmul_rn(sacc[j][i][e], decay);
 #pragma unroll
         for (int k0 = 0; k0 < C; k0 += 8) {
-            const float d0 = dv[C + k0 + tq], d1 = dv[C + k0 + tq + 4];
             float bh[NT][2], bl[NT][2];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int at = (k0 + tq) * L::LS + 8 * nt + gq;
-                bh[nt][0] = vn[at];
-                bh[nt][1] = vn[at + 4 * L::LS];
-                bl[nt][0] = vl[at];
-                bl[nt][1] = vl[at + 4 * L::LS];
+            for (int i = 0; i < NT; ++i) {
+                const int at = (k0 + tq) * L::LS + nb[i] + gq;
+                bh[i][0] = vn[at];
+                bh[i][1] = vn[at + 4 * L::LS];
+                bl[i][0] = vl[at];
+                bl[i][1] = vl[at + 4 * L::LS];
             }
+            float am[4];
+            a_fragment(am, ms, L::LM, pr, k0, tq);
+#pragma unroll
+            for (int j = 0; j < PJ; ++j) mma_split_b<SPLIT, true>(z[j], am, bh[j], bl[j]);
+            const float d0 = dv[C + k0 + tq], d1 = dv[C + k0 + tq + 4];
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
                 const int m0 = 16 * (warp + WARPS * j) + gq;
@@ -636,9 +640,19 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                                         __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0], d1),
                                         __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0 + 8], d1)};
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) mma_split_b<SPLIT>(sacc[j][nt], a, bh[nt], bl[nt]);
+                    for (int i = 0; i < NT; ++i) mma_split_b<SPLIT>(sacc[j][i], a, bh[i], bl[i]);
                 }
             }
+        }
+#pragma unroll
+        for (int j = 0; j < PJ; ++j) {
+            const int col = col0 + nb[j] + 2 * tq;
+            if (pr < n)
+                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr) * value_heads + hv) * value_dim + col) =
+                    make_float2(z[j][0], z[j][1]);
+            if (pr + 8 < n)
+                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr + 8) * value_heads + hv) * value_dim + col) =
+                    make_float2(z[j][2], z[j][3]);
         }
     }
 
@@ -647,10 +661,10 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         const int mt = warp + WARPS * j;
         if (mt < MT) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                float* dst = state + (size_t)(16 * mt + gq) * value_dim + col0 + 8 * nt + 2 * tq;
-                *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][nt][0], sacc[j][nt][1]);
-                *reinterpret_cast<float2*>(dst + 8 * value_dim) = make_float2(sacc[j][nt][2], sacc[j][nt][3]);
+            for (int i = 0; i < NT; ++i) {
+                float* dst = state + (size_t)(16 * mt + gq) * value_dim + col0 + nb[i] + 2 * tq;
+                *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][i][0], sacc[j][i][1]);
+                *reinterpret_cast<float2*>(dst + 8 * value_dim) = make_float2(sacc[j][i][2], sacc[j][i][3]);
             }
         }
     }
