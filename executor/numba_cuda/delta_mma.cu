@@ -419,13 +419,39 @@ struct WalkSmem {
     static constexpr int FLOATS = DV + 2 * C;
 };
 
-// Phase 2: one CTA of WARPS warps per (BV state columns, value head) walks the sub-chunks.
-// Sub-chunk rows: warp w owns m-tile w % 4 and n-tiles w / 4 + (WARPS / 4) j of V' and O;
-// state rows: warp w owns key m-tiles w + WARPS j, all NT n-tiles of them, held in the order
-// `nb` gives: its V' / O n-tiles first, so that one pass over V' makes both M V' and the state
-// update (each V' fragment read once for both). S and V' are B operands that 4 or 8 warps
-// read: the warp that owns an element stores its tf32 pair once (split_store), and the
-// readers multiply without converting (mma_split_b).
+// acc[nt] += (rows pr, pr + 8 of a) S for the NT n-tiles of S, over the key dim in order: the W S
+// or q S of a walk step (a: the W or q rows in shared memory; S stored split, read as B).
+template <int KD, int BV, int SPLIT, bool A_TF32>
+__device__ __forceinline__ void times_state(float (&acc)[BV / 8][4], const float* a, const float* ss, const float* sl,
+                                            int pr, int tq, int gq) {
+    using L = WalkSmem<KD, BV>;
+    // this thread's element of each fragment at k0 = 0, so that a k-step adds one offset and every
+    // element is an immediate from it (indices (k0 + tq) L::LS + 8 nt + gq cost an add and a
+    // multiply each in SASS)
+    const float* ar = a + pr * L::LW + tq;
+    const float* bh = ss + tq * L::LS + gq;
+    const float* bl = sl + tq * L::LS + gq;
+#pragma unroll 4
+    for (int k0 = 0; k0 < KD; k0 += 8) {
+        const float af[4] = {ar[k0], ar[8 * L::LW + k0], ar[k0 + 4], ar[8 * L::LW + k0 + 4]};
+        const float* bhk = bh + k0 * L::LS;
+        const float* blk = bl + k0 * L::LS;
+#pragma unroll
+        for (int nt = 0; nt < BV / 8; ++nt) {
+            const float h[2] = {bhk[8 * nt], bhk[4 * L::LS + 8 * nt]};
+            const float l[2] = {blk[8 * nt], blk[4 * L::LS + 8 * nt]};
+            mma_split_b<SPLIT, A_TF32>(acc[nt], af, h, l);
+        }
+    }
+}
+
+// Phase 2: one CTA of WARPS (4 or 8) warps per (BV state columns, value head) walks the sub-chunks.
+// Sub-chunk rows: warp w works on m-tile w % 4 and all NT n-tiles of V' and O. With 8 warps, warps
+// 0-3 make W S and V' = U - W S, and warps 4-7 make q S and O = e^c (q S) + M V' (each A fragment
+// of W, q and M converted by one warp, and M V' reading the V' fragments the state update reads
+// anyway); with 4 warps, each makes both. State rows: warp w owns key m-tiles w + WARPS j. S and
+// V' are B operands that every warp reads: the warp that owns an element stores its tf32 pair
+// once (split_store), and the readers multiply without converting (mma_split_b).
 // A step has three barriers: (1) S stored and stage A (W, q rows) in, (2) W S and q S done and
 // stage B (k rows, M, row factors) in, (3) V' stored. Stage A of s + 1 is issued after (2),
 // when W and q are read; stage B of s after (1), when the previous step's M V' and state
@@ -437,14 +463,12 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                                      int off, int key_heads, int value_heads, int value_dim) {
     using L = WalkSmem<KD, BV>;
     constexpr int THREADS = WARPS * 32;
-    constexpr int G = WARPS / 4;                     // warps that share an m-tile of V' and O
     constexpr int NT = BV / 8;                       // n-tiles of the CTA's columns
-    constexpr int PJ = NT / G;                       // n-tiles of V' / O a warp owns
     constexpr int MT = KD / 16;                      // m-tiles of the state
     constexpr int SJ = (MT + WARPS - 1) / WARPS;     // state m-tiles a warp owns (at most)
     constexpr int RS = THREADS / (KD / 4);           // W / q / k rows one pass of 16-byte copies covers
     constexpr int MS = THREADS / (C / 4);            // M rows one pass covers
-    static_assert(WARPS % 4 == 0 && NT % G == 0 && KD % 16 == 0, "tile split");
+    static_assert((WARPS == 4 || WARPS == 8) && KD % 16 == 0, "tile split");
     static_assert(THREADS % (KD / 4) == 0 && C % RS == 0 && C % MS == 0 && THREADS >= 2 * C / 4, "copy split");
     extern __shared__ __align__(16) float smem[];
     float* ws = smem + L::W;
@@ -461,33 +485,27 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
     const int kh = hv / (value_heads / key_heads);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane >> 2, tq = lane & 3;
     const int pr = 16 * (warp % 4) + gq;  // this thread's first sub-chunk row of V' and O
+    const bool makes_v = WARPS == 4 || warp < 4, makes_o = WARPS == 4 || warp >= 4;  // warp-uniform
     const int subchunks = (off + rows + C - 1) / C;
     const size_t row_len = (size_t)key_heads * KD;
     state += (size_t)hv * KD * value_dim;  // this value head's [KD, value_dim] state
-
-    // The warp's state n-tiles in the order it holds them, as column offsets nb[i] = 8 n-tile:
-    // its V' / O n-tiles w / 4 + G j first (i = j < PJ), then the others. A state element is
-    // one chain of products whichever register holds it: the order changes no bit.
-    int nb[NT];
-#pragma unroll
-    for (int i = 0; i < NT; ++i) nb[i] = 8 * ((warp / 4 + i / PJ) % G + G * (i % PJ));
 
     float sacc[SJ][NT][4];
 #pragma unroll
     for (int j = 0; j < SJ; ++j) {
         const int mt = warp + WARPS * j;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
+        for (int nt = 0; nt < NT; ++nt) {
             if (mt < MT) {
-                const float* src = state + (size_t)(16 * mt + gq) * value_dim + col0 + nb[i] + 2 * tq;
+                const float* src = state + (size_t)(16 * mt + gq) * value_dim + col0 + 8 * nt + 2 * tq;
                 const float2 a = *reinterpret_cast<const float2*>(src);
                 const float2 b = *reinterpret_cast<const float2*>(src + 8 * value_dim);
-                sacc[j][i][0] = a.x;
-                sacc[j][i][1] = a.y;
-                sacc[j][i][2] = b.x;
-                sacc[j][i][3] = b.y;
+                sacc[j][nt][0] = a.x;
+                sacc[j][nt][1] = a.y;
+                sacc[j][nt][2] = b.x;
+                sacc[j][nt][3] = b.y;
             } else {
-                sacc[j][i][0] = sacc[j][i][1] = sacc[j][i][2] = sacc[j][i][3] = 0.f;
+                sacc[j][nt][0] = sacc[j][nt][1] = sacc[j][nt][2] = sacc[j][nt][3] = 0.f;
             }
         }
     }
@@ -538,98 +556,105 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
             const int mt = warp + WARPS * j;
             if (mt < MT) {
 #pragma unroll
-                for (int i = 0; i < NT; ++i) {
-                    const int at = (16 * mt + gq) * L::LS + nb[i] + 2 * tq;
-                    split_store<SPLIT>(ss + at, sl + at, sacc[j][i][0]);
-                    split_store<SPLIT>(ss + at + 1, sl + at + 1, sacc[j][i][1]);
-                    split_store<SPLIT>(ss + at + 8 * L::LS, sl + at + 8 * L::LS, sacc[j][i][2]);
-                    split_store<SPLIT>(ss + at + 8 * L::LS + 1, sl + at + 8 * L::LS + 1, sacc[j][i][3]);
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int at = (16 * mt + gq) * L::LS + 8 * nt + 2 * tq;
+                    split_store<SPLIT>(ss + at, sl + at, sacc[j][nt][0]);
+                    split_store<SPLIT>(ss + at + 1, sl + at + 1, sacc[j][nt][1]);
+                    split_store<SPLIT>(ss + at + 8 * L::LS, sl + at + 8 * L::LS, sacc[j][nt][2]);
+                    split_store<SPLIT>(ss + at + 8 * L::LS + 1, sl + at + 8 * L::LS + 1, sacc[j][nt][3]);
                 }
             }
         }
-        float uf[PJ][4];
-        {
+        float uf[NT][4];
+        if (makes_v) {
             const float* u = u_in + ((size_t)s * value_heads + hv) * C * value_dim + col0;
 #pragma unroll
-            for (int j = 0; j < PJ; ++j) {
-                const int col = nb[j] + 2 * tq;
+            for (int nt = 0; nt < NT; ++nt) {
+                const int col = 8 * nt + 2 * tq;
                 const float2 a = *reinterpret_cast<const float2*>(u + (size_t)pr * value_dim + col);
                 const float2 b = *reinterpret_cast<const float2*>(u + (size_t)(pr + 8) * value_dim + col);
-                uf[j][0] = a.x;
-                uf[j][1] = a.y;
-                uf[j][2] = b.x;
-                uf[j][3] = b.y;
+                uf[nt][0] = a.x;
+                uf[nt][1] = a.y;
+                uf[nt][2] = b.x;
+                uf[nt][3] = b.y;
             }
         }
         wait_groups<0>();  // stage A of s is in (the only copies in flight)
         __syncthreads();  // S stored; the previous step's k, M, V' and row factors read
         stage_b(s);
 
-        float p[PJ][4], z[PJ][4];  // W S and q S
+        // W S (p) and q S (z); with 8 warps a warp makes one of them, in `acc`
+        float acc[NT][4], acc2[NT][4];
 #pragma unroll
-        for (int j = 0; j < PJ; ++j)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) p[j][e] = z[j][e] = 0.f;
-#pragma unroll 4
-        for (int k0 = 0; k0 < KD; k0 += 8) {
-            float aw[4], aq[4];
-            a_fragment(aw, ws, L::LW, pr, k0, tq);
-            a_fragment(aq, qs, L::LW, pr, k0, tq);
-#pragma unroll
-            for (int j = 0; j < PJ; ++j) {
-                const int at = (k0 + tq) * L::LS + nb[j] + gq;
-                const float bh[2] = {ss[at], ss[at + 4 * L::LS]};
-                const float bl[2] = {sl[at], sl[at + 4 * L::LS]};
-                mma_split_b<SPLIT, true>(p[j], aw, bh, bl);
-                mma_split_b<SPLIT, false>(z[j], aq, bh, bl);
-            }
+            for (int e = 0; e < 4; ++e) acc[nt][e] = acc2[nt][e] = 0.f;
+        if (WARPS == 4) {
+            times_state<KD, BV, SPLIT, true>(acc, ws, ss, sl, pr, tq, gq);
+            times_state<KD, BV, SPLIT, false>(acc2, qs, ss, sl, pr, tq, gq);
+        } else if (SPLIT == 3) {  // W and q converted alike: one loop for both roles
+            times_state<KD, BV, SPLIT, false>(acc, makes_v ? ws : qs, ss, sl, pr, tq, gq);
+        } else if (makes_v) {
+            times_state<KD, BV, SPLIT, true>(acc, ws, ss, sl, pr, tq, gq);
+        } else {
+            times_state<KD, BV, SPLIT, false>(acc, qs, ss, sl, pr, tq, gq);
         }
+        float(&p)[NT][4] = acc;
+        float(&z)[NT][4] = WARPS == 4 ? acc2 : acc;
         wait_groups<0>();  // stage B of s is in
         __syncthreads();  // W, q and S buffers read
         if (s + 1 < subchunks) stage_a(s + 1);
 
         // V' = U - W S (into shared memory); O = e^c (q S)
-        const float e0 = dv[pr], e1 = dv[pr + 8];
+        if (makes_v) {
 #pragma unroll
-        for (int j = 0; j < PJ; ++j) {
-            const int at = pr * L::LS + nb[j] + 2 * tq;
-            split_store<SPLIT>(vn + at, vl + at, __fsub_rn(uf[j][0], p[j][0]));
-            split_store<SPLIT>(vn + at + 1, vl + at + 1, __fsub_rn(uf[j][1], p[j][1]));
-            split_store<SPLIT>(vn + at + 8 * L::LS, vl + at + 8 * L::LS, __fsub_rn(uf[j][2], p[j][2]));
-            split_store<SPLIT>(vn + at + 8 * L::LS + 1, vl + at + 8 * L::LS + 1, __fsub_rn(uf[j][3], p[j][3]));
-            z[j][0] = __fmul_rn(z[j][0], e0);
-            z[j][1] = __fmul_rn(z[j][1], e0);
-            z[j][2] = __fmul_rn(z[j][2], e1);
-            z[j][3] = __fmul_rn(z[j][3], e1);
+            for (int nt = 0; nt < NT; ++nt) {
+                const int at = pr * L::LS + 8 * nt + 2 * tq;
+                split_store<SPLIT>(vn + at, vl + at, __fsub_rn(uf[nt][0], p[nt][0]));
+                split_store<SPLIT>(vn + at + 1, vl + at + 1, __fsub_rn(uf[nt][1], p[nt][1]));
+                split_store<SPLIT>(vn + at + 8 * L::LS, vl + at + 8 * L::LS, __fsub_rn(uf[nt][2], p[nt][2]));
+                split_store<SPLIT>(vn + at + 8 * L::LS + 1, vl + at + 8 * L::LS + 1, __fsub_rn(uf[nt][3], p[nt][3]));
+            }
+        }
+        if (makes_o) {
+            const float e0 = dv[pr], e1 = dv[pr + 8];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                z[nt][0] = __fmul_rn(z[nt][0], e0);
+                z[nt][1] = __fmul_rn(z[nt][1], e0);
+                z[nt][2] = __fmul_rn(z[nt][2], e1);
+                z[nt][3] = __fmul_rn(z[nt][3], e1);
+            }
         }
         __syncthreads();  // V' stored
 
-        // O += M V' and S = e^(c_last) S + (k e^(c_last - c))^T V' in one pass over V': the V'
-        // fragments of n-tile nb[i] serve the state update and, for i < PJ, M V' (the same
-        // fragments M V' read on its own before). Each O and state element keeps its chain:
-        // the same products in the same k order.
+        // S = e^(c_last) S + (k e^(c_last - c))^T V' and O += M V' in one pass over V': the
+        // V' fragments of every n-tile serve the state update and M V'. Each O and state
+        // element keeps its chain: the same products in the same k order.
         const float decay = dv[n - 1];
 #pragma unroll
         for (int j = 0; j < SJ; ++j)
 #pragma unroll
-            for (int i = 0; i < NT; ++i)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[j][i][e] = __fmul_rn(sacc[j][i][e], decay);
+                for (int e = 0; e < 4; ++e) sacc[j][nt][e] = __fmul_rn(sacc[j][nt][e], decay);
 #pragma unroll
         for (int k0 = 0; k0 < C; k0 += 8) {
             float bh[NT][2], bl[NT][2];
 #pragma unroll
-            for (int i = 0; i < NT; ++i) {
-                const int at = (k0 + tq) * L::LS + nb[i] + gq;
-                bh[i][0] = vn[at];
-                bh[i][1] = vn[at + 4 * L::LS];
-                bl[i][0] = vl[at];
-                bl[i][1] = vl[at + 4 * L::LS];
+            for (int nt = 0; nt < NT; ++nt) {
+                const int at = (k0 + tq) * L::LS + 8 * nt + gq;
+                bh[nt][0] = vn[at];
+                bh[nt][1] = vn[at + 4 * L::LS];
+                bl[nt][0] = vl[at];
+                bl[nt][1] = vl[at + 4 * L::LS];
             }
-            float am[4];
-            a_fragment(am, ms, L::LM, pr, k0, tq);
+            if (makes_o) {
+                float am[4];
+                a_fragment(am, ms, L::LM, pr, k0, tq);
 #pragma unroll
-            for (int j = 0; j < PJ; ++j) mma_split_b<SPLIT, true>(z[j], am, bh[j], bl[j]);
+                for (int nt = 0; nt < NT; ++nt) mma_split_b<SPLIT, true>(z[nt], am, bh[nt], bl[nt]);
+            }
             const float d0 = dv[C + k0 + tq], d1 = dv[C + k0 + tq + 4];
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
@@ -640,19 +665,21 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
                                         __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0], d1),
                                         __fmul_rn(kt[(k0 + tq + 4) * L::LK + m0 + 8], d1)};
 #pragma unroll
-                    for (int i = 0; i < NT; ++i) mma_split_b<SPLIT>(sacc[j][i], a, bh[i], bl[i]);
+                    for (int nt = 0; nt < NT; ++nt) mma_split_b<SPLIT>(sacc[j][nt], a, bh[nt], bl[nt]);
                 }
             }
         }
+        if (makes_o) {
 #pragma unroll
-        for (int j = 0; j < PJ; ++j) {
-            const int col = col0 + nb[j] + 2 * tq;
-            if (pr < n)
-                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr) * value_heads + hv) * value_dim + col) =
-                    make_float2(z[j][0], z[j][1]);
-            if (pr + 8 < n)
-                *reinterpret_cast<float2*>(out + ((size_t)(lo + pr + 8) * value_heads + hv) * value_dim + col) =
-                    make_float2(z[j][2], z[j][3]);
+            for (int nt = 0; nt < NT; ++nt) {
+                const int col = col0 + 8 * nt + 2 * tq;
+                if (pr < n)
+                    *reinterpret_cast<float2*>(out + ((size_t)(lo + pr) * value_heads + hv) * value_dim + col) =
+                        make_float2(z[nt][0], z[nt][1]);
+                if (pr + 8 < n)
+                    *reinterpret_cast<float2*>(out + ((size_t)(lo + pr + 8) * value_heads + hv) * value_dim + col) =
+                        make_float2(z[nt][2], z[nt][3]);
+            }
         }
     }
 
@@ -661,10 +688,10 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         const int mt = warp + WARPS * j;
         if (mt < MT) {
 #pragma unroll
-            for (int i = 0; i < NT; ++i) {
-                float* dst = state + (size_t)(16 * mt + gq) * value_dim + col0 + nb[i] + 2 * tq;
-                *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][i][0], sacc[j][i][1]);
-                *reinterpret_cast<float2*>(dst + 8 * value_dim) = make_float2(sacc[j][i][2], sacc[j][i][3]);
+            for (int nt = 0; nt < NT; ++nt) {
+                float* dst = state + (size_t)(16 * mt + gq) * value_dim + col0 + 8 * nt + 2 * tq;
+                *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][nt][0], sacc[j][nt][1]);
+                *reinterpret_cast<float2*>(dst + 8 * value_dim) = make_float2(sacc[j][nt][2], sacc[j][nt][3]);
             }
         }
     }
