@@ -197,10 +197,15 @@ __device__ __forceinline__ void block_probs(u32 (&pf)[BN / 16][4], float (&alpha
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
         const float fresh = fmaxf(m[r], top);
-        // a row with no key yet in its segment (every x = -inf so far): base 0, so p = 0 and
-        // alpha = 0 (not 2^(-inf + inf) = NaN); any other row: base = its max, as ever
+        // a row with no key yet in its segment (every x = -inf so far): base 0, so p = 0 (not
+        // 2^(-inf + inf) = NaN); any other row: base = its max, as ever
         const float base = fresh == NEG_INF ? 0.0f : fresh;
-        alpha[r] = exp2_approx(__fsub_rn(m[r], base));  // exactly 1 when the max holds
+        // alpha: exactly 1 when the max holds. A row whose segment had no key before this block
+        // (m = -inf: its first block, or every key so far masked) has l = 0 and O = 0 (reset, then
+        // only p = 0 added), so scaling them by 2^(-inf) = 0 or by 1 gives the same bits; 1 lets
+        // `rescale` skip O when every row of the warp starts its segment here (bench/RESULTS.md,
+        // session 36: 0.98x the wgmma walk's time at 9B's long chunks, the same bits).
+        alpha[r] = m[r] == NEG_INF ? 1.0f : exp2_approx(__fsub_rn(m[r], base));
         m[r] = fresh;
         float total = 0.0f;
 #pragma unroll
