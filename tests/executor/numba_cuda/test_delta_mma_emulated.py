@@ -5,8 +5,9 @@ their wait). CI has no GPU and the numba simulator cannot run linked CUDA C++, s
 CI checks that code: values against the float64 twin at both tf32 splits, every element of
 the outputs and scratch written, no write outside a buffer, the same bits for any chunking on
 the 64-row grid, for every CTA shape, and for every thread schedule; and that the checks fail
-on a planted break (a chunk-start anchor; a barrier removed; V' in S's buffer). The GPU tests
-(test_gpu_delta_mma.py) check the same on the H200. Skips when no C++ compiler is found.
+on a planted break (a chunk-start anchor; a barrier removed; V' in S's buffer; the state's
+decay one ulp off). The GPU tests (test_gpu_delta_mma.py) check the same on the H200. Skips
+when no C++ compiler is found.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ S over the V' the others still read for M V' and the state update (no barrier en
 
 def device_code(source: str, plant: tuple[str, str] | None = None) -> str:
     """delta_mma.cu's device code as host C++: the mma helpers and both phases, its dynamic
-    shared memory the emulator's block buffer. plant: (text, replacement), a planted race
-    (PLANTED_BARRIER, PLANTED_ALIAS). Raises ValueError when the source lost a marker or the
+    shared memory the emulator's block buffer. plant: (text, replacement), a planted break
+    (PLANTED_BARRIER, PLANTED_ALIAS, PLANTED_DECAY). Raises ValueError when the source lost a marker or the
     plant's text is not there exactly once."""
     markers = ("template <int SPLIT, bool A_TF32", "__device__ __forceinline__ u32 smem_addr",
                "// Shared-memory layout of phase 1", "// Entry points")
@@ -74,10 +75,12 @@ def host(tmp_path_factory):
     return _build(tmp_path_factory.mktemp(f"delta-host-{digest}"), code)
 
 
-def _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim):
-    """delta_inputs of the seed, then the three slots' states and `mixed` (v at column V0)."""
+def _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim, decay=1.0):
+    """delta_inputs of the seed (g times `decay`), then the three slots' states and `mixed` (v at
+    column V0)."""
     r = np.random.default_rng(seed)
     q, k, v, g, beta = delta_inputs(r, rows, key_heads, value_heads, key_dim, value_dim)
+    g = (g * np.float32(decay)).astype(np.float32)
     state = (r.normal(size=(3, value_heads, key_dim, value_dim)) * 0.3).astype(np.float32)
     mixed = np.concatenate([r.normal(size=(rows, V0)), v.reshape(rows, -1)], axis=1).astype(np.float32)
     return q, k, v, g, beta, state, mixed
@@ -85,8 +88,8 @@ def _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim):
 
 def _launch(exe, tmp, case, *, bv, warps, split, per_block=1, cuts=None, anchor=True, env=None):
     """Write the case's inputs into tmp and run the host runner: the CompletedProcess."""
-    seed, start_row, rows, key_heads, value_heads, key_dim, value_dim = case
-    q, k, v, g, beta, state, mixed = _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim)
+    seed, start_row, rows, key_heads, value_heads, key_dim, value_dim, *decay = case
+    q, k, v, g, beta, state, mixed = _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim, *decay)
     d = Path(tmp)
     files = {"q": q * np.float32(key_dim**-0.5), "k": k, "mixed": mixed, "g": g, "beta": beta, "state": state,
              "dims": np.array([rows, key_heads, value_heads, V0])}
@@ -103,20 +106,24 @@ def _run(exe, tmp, case, **kwargs):
     """(out [rows, value_heads, value_dim], states [3, ...]) of the emulated launches."""
     done = _launch(exe, tmp, case, **kwargs)
     assert done.returncode == 0, f"emulated launch failed: {done.stderr[-2000:]}"
-    _, _, rows, _, value_heads, key_dim, value_dim = case
+    _, _, rows, _, value_heads, key_dim, value_dim, *_ = case
     out = np.fromfile(Path(tmp) / "out.bin", np.float32).reshape(rows, value_heads, value_dim)
     states = np.fromfile(Path(tmp) / "state_out.bin", np.float32).reshape(3, value_heads, key_dim, value_dim)
     return out, states
 
 
 def _twin(case):
-    seed, start_row, rows, key_heads, value_heads, key_dim, value_dim = case
-    q, k, v, g, beta, state, _ = _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim)
+    seed, start_row, rows, key_heads, value_heads, key_dim, value_dim, *decay = case
+    q, k, v, g, beta, state, _ = _inputs(seed, rows, key_heads, value_heads, key_dim, value_dim, *decay)
     return ops.gated_delta_rule_chunked(q, k, v, g, beta, state[1], start_row), state
 
 
 SMALL = (1, 30, 70, 1, 3, 16, 8)  # seed, start_row, rows, key_heads, value_heads, key_dim, value_dim
 WIDE = (2, 100, 150, 1, 2, 128, 128)
+SLOW = (2, 100, 150, 1, 2, 128, 128, 0.01)
+"""WIDE with g x 0.01: at delta_inputs' own gates the state decays so fast that what a sub-chunk
+carries to the next barely reaches the outputs (a planted 1-ulp change of e^(c_last) left WIDE's
+bits as they were, session 36); here it does."""
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -217,18 +224,38 @@ def test_every_walk_shape_fits_a_cta_s_shared_memory():
     assert most == 230_912 and most <= attention_flash.MAX_SHARED_BYTES == 232_448
 
 
-PINNED = {3: "9102955de7d0c56105e7aff0b42d123cc7a83596115a083f2824ab818e922bbc",
-          1: "a0edae320a03e1276065460bc5316299fc320f978f757081f87c9f547382feae"}
-"""sha256 of the emulated output and state bytes of WIDE (BV 32, 8 warps), pinned on the source of
-90f340a and unchanged since (bench/RESULTS.md, session 29: the walk's B operands split once)."""
+PINNED = {(WIDE, 3): "9102955de7d0c56105e7aff0b42d123cc7a83596115a083f2824ab818e922bbc",
+          (WIDE, 1): "a0edae320a03e1276065460bc5316299fc320f978f757081f87c9f547382feae",
+          (SLOW, 3): "0fda9369b8265cec1dab00c05e923fa754b4449c27f4ee1b5d03dd05fe0ca9ed",
+          (SLOW, 1): "fc6701c78ec4190415e91cba7b3ed41500155ef45baf62b219d249ef49999d94"}
+"""sha256 of the emulated output and state bytes (BV 32, 8 warps): WIDE's pinned on the source of
+90f340a and unchanged since (bench/RESULTS.md, session 29: the walk's B operands split once);
+SLOW's pinned in session 36, the same on 841e2bf's source and on the walk split by role."""
+
+PLANTED_DECAY = ("        const float decay = dv[n - 1];",
+                 "        const float decay = __uint_as_float(__float_as_uint(dv[n - 1]) + 1u);")
+"""The state's decay over a sub-chunk, e^(c_last), one ulp off: WIDE's bits do not move, SLOW's do."""
 
 
-@pytest.mark.parametrize("split", [3, 1])
-def test_emulated_bits_are_pinned(host, tmp_path, split):
+def _pinned_digest(exe, tmp, case, split):
+    out, states = _run(exe, tmp, case, bv=32, warps=8, split=split)
+    return hashlib.sha256(out.tobytes() + states.tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("case, split", [(WIDE, 3), (WIDE, 1), (SLOW, 3), (SLOW, 1)],
+                         ids=["wide-3", "wide-1", "slow-3", "slow-1"])
+def test_emulated_bits_are_pinned(host, tmp_path, case, split):
     """The emulated bits of a fixed case equal the pinned ones: a change that keeps the values within
     the twin's tolerance but moves bits (e.g. the three tf32 products of a 3xTF32 product reordered,
     which a review planted and no other CPU test caught) fails here. The emulator's products are
     exact, summed in double, so its bits are the source's order of operations, not the hardware's:
     a deliberate change of order re-pins them, with the GPU's bits measured and said in RESULTS."""
-    out, states = _run(host, tmp_path, WIDE, bv=32, warps=8, split=split)
-    assert hashlib.sha256(out.tobytes() + states.tobytes()).hexdigest() == PINNED[split]
+    assert _pinned_digest(host, tmp_path, case, split) == PINNED[case, split]
+
+
+def test_emulated_pin_of_slow_gates_sees_the_carried_state(tmp_path):
+    """PLANTED_DECAY (e^(c_last) one ulp off) leaves WIDE's pinned bits as they are (its state
+    hardly reaches its outputs) and moves SLOW's: the pin that guards the state between sub-chunks."""
+    exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), PLANTED_DECAY))
+    assert _pinned_digest(exe, tmp_path, WIDE, 3) == PINNED[WIDE, 3]
+    assert _pinned_digest(exe, tmp_path, SLOW, 3) != PINNED[SLOW, 3]
