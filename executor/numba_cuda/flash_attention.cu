@@ -175,8 +175,11 @@ __device__ __forceinline__ void block_scores(float (&s)[BN / 8][4], const u32 (&
 }
 
 // The online softmax over block b: scale and mask S, move m and l, give P as bf16 A fragments
-// and O's scale alpha (O itself is not touched: `rescale`).
-template <int BN>
+// and O's scale alpha (O itself is not touched: `rescale`). FRESH_ONE: alpha = 1, not 0, for a
+// row whose segment had no key before the block (the same bits, below); the lookahead walk keeps
+// 0, since ptxas then moves the two alphas' exponentials out of its overlap window (16 of 18
+// left there, session 36).
+template <int BN, bool FRESH_ONE = true>
 __device__ __forceinline__ void block_probs(u32 (&pf)[BN / 16][4], float (&alpha)[2], float (&s)[BN / 8][4],
                                             float (&m)[2], float (&l)[2], const int* pos, int b, bool masked,
                                             float scale2, int t) {
@@ -205,7 +208,7 @@ __device__ __forceinline__ void block_probs(u32 (&pf)[BN / 16][4], float (&alpha
         // only p = 0 added), so scaling them by 2^(-inf) = 0 or by 1 gives the same bits; 1 lets
         // `rescale` skip O when every row of the warp starts its segment here (bench/RESULTS.md,
         // session 36: 0.98x the wgmma walk's time at 9B's long chunks, the same bits).
-        alpha[r] = m[r] == NEG_INF ? 1.0f : exp2_approx(__fsub_rn(m[r], base));
+        alpha[r] = FRESH_ONE && m[r] == NEG_INF ? 1.0f : exp2_approx(__fsub_rn(m[r], base));
         m[r] = fresh;
         float total = 0.0f;
 #pragma unroll

@@ -468,7 +468,7 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
     u32 pn[BN / 16][4];  // P of the next block, as block_probs gives it
     float alpha[2];
     auto probs = [&](int b) {  // block b's softmax, but for O's rescale (S_b in s)
-        block_probs<BN>(pn, alpha, s, w.m, w.l, c.pos, b, b >= c.unmasked, w.scale2, c.t);
+        block_probs<BN, false>(pn, alpha, s, w.m, w.l, c.pos, b, b >= c.unmasked, w.scale2, c.t);
     };
     // the running (M, L) of the warp's 16 rows in shared memory after the O totals (1 KB in all; out
     // of the registers, which the walk needs all of): row r's at ml[2 r], ml[2 r + 1]; each quad's
