@@ -276,7 +276,8 @@ def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile
         assert np.isfinite(logits).all(), "non-finite prefill logits"
         digests.add(logits_digest(logits))
     if len(digests) != 1:
-        raise AssertionError(f"prefill of {rows} rows gave {len(digests)} different last-row logits over {len(runs)} runs")
+        raise AssertionError(
+            f"prefill of {rows} rows gave {len(digests)} different last-row logits over {len(runs)} runs")
     out = {"rows": rows, "ttft_s": float(np.median(runs)), "ttft_runs_s": [round(t, 4) for t in runs],
            "logits_sha256": digests.pop()}
     if profile:
