@@ -452,9 +452,9 @@ __device__ __forceinline__ void times_state(float (&acc)[BV / 8][4], const float
 // anyway); with 4 warps, each makes both. State rows: warp w owns key m-tiles w + WARPS j. S and
 // V' are B operands that every warp reads: the warp that owns an element stores its tf32 pair
 // once (split_store), and the readers multiply without converting (mma_split_b). The split by
-// role and the fixed copy slots took the walk from 3,603 to ~2,480 SASS instructions a warp a step
-// and the 9B's 32K-row call from 6.23 to 5.92 ms on the H100, with the same bits (bench/RESULTS.md,
-// session 36).
+// role and the fixed copy slots took the walk from 3,603 SASS instructions a warp a step to 2,357
+// (warps 0-3) and 2,610 (warps 4-7), and the 9B's 32K-row call from 6.23 to 5.92 ms on the H100,
+// with the same bits (bench/RESULTS.md, session 36).
 // A step has three barriers: (1) S stored and stage A (W, q rows) in, (2) W S and q S done and
 // stage B (k rows, M, row factors) in, (3) V' stored. Stage A of s + 1 is issued after (2),
 // when W and q are read; stage B of s after (1), when the previous step's M V' and state
