@@ -205,7 +205,8 @@ __device__ __forceinline__ void block_probs(u32 (&pf)[BN / 16][4], float (&alpha
         const float base = fresh == NEG_INF ? 0.0f : fresh;
         // alpha: exactly 1 when the max holds. A row whose segment had no key before this block
         // (m = -inf: its first block, or every key so far masked) has l = 0 and O = 0 (reset, then
-        // only p = 0 added), so scaling them by 2^(-inf) = 0 or by 1 gives the same bits; 1 lets
+        // only p = 0 added; K and V finite, as everywhere here), so scaling them by 2^(-inf) = 0 or
+        // by 1 gives the same bits; 1 lets
         // `rescale` skip O when every row of the warp starts its segment here (bench/RESULTS.md,
         // session 36: 0.98x the wgmma walk's time at 9B's long chunks, the same bits).
         alpha[r] = FRESH_ONE && m[r] == NEG_INF ? 1.0f : exp2_approx(__fsub_rn(m[r], base));

@@ -35,10 +35,11 @@ __device__ __forceinline__ unsigned long long wg_desc_128b(u32 addr, u32 lbo, u3
     return wg_desc(addr, lbo, sbo) | (1ull << 62);
 }
 // wg_desc_128b(addr + offset, ...) from desc = wg_desc_128b(addr, ...): the address field (bits
-// 0-13, addr >> 4) moves by offset >> 4; nothing carries out of it while addr + offset < 256 KB
-// (shared memory is 228 KB). The walk works each block's two descriptors out once and adds the
-// k-steps' offsets: 4 instructions between S's products instead of 7, 464 a warp a block instead
-// of 513, the same descriptors (bench/RESULTS.md, session 36: 0.88x the time at 9B's 32K chunks).
+// 0-13, addr >> 4) moves by offset >> 4 (offset a multiple of 16, as every k-step's is); nothing
+// carries out of it while addr + offset < 256 KB (shared memory is 228 KB). The walk works each
+// block's two descriptors out once and adds the k-steps' offsets: 4 instructions between S's
+// products instead of 7, 464 a warp a block instead of 513, the same descriptors
+// (bench/RESULTS.md, session 36: 0.88x the time at 9B's 32K chunks).
 __device__ __forceinline__ unsigned long long wg_desc_plus(unsigned long long desc, u32 offset) {
     return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (offset >> 4));
 }
@@ -400,7 +401,8 @@ __device__ __forceinline__ void wgmma_walk(const float* q, const float* qg, cons
 // K and V have their own slots (K_j and V_j in stage j % 3's halves, as the backend's ring), so K
 // runs a block ahead of V in the same 96 KB ring, and a block needs one barrier, not two. Every
 // product, its operands and its order, and every softmax and fold operation are the backend walk's,
-// in the same order per row: every output bit the same. Opt-in (attention_wgmma.LOOKAHEAD_KERNEL,
+// in the same order per row (but O's scale for a row with no key yet in its segment: 0 here, 1 in
+// the backend's walk, FRESH_ONE; O and l are 0 there either way): every output bit the same. Opt-in (attention_wgmma.LOOKAHEAD_KERNEL,
 // WARMSTATE_FLASH_LOOKAHEAD=1), its SASS checked on the CPU (tests/bench/test_sass.py). On the H200
 // (session 35) its bits are the backend walk's, its softmax overlaps P V, and it is slower: 11.45
 // against 10.55 ms at the 9B's 8192 rows from 24,576 keys (the backend's two warpgroups already

@@ -1,13 +1,12 @@
 """The CPU side of bench/decode_prefill.py (its runs need the H200): which prefill settings a run
-times side by side, the flags that choose them, the table's lookahead column, and the logits digest
-that shows two builds kept every bit."""
-
-import attrs
-import pytest
+times side by side, the flags that choose them, the table's lookahead column, and the last-row logits
+digest that shows two builds kept those bits."""
 
 import hashlib
 
+import attrs
 import numpy as np
+import pytest
 
 from bench.decode_prefill import BenchConfig, logits_digest, main, prefill_ours, prefill_settings, tables
 
