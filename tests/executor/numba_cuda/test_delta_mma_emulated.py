@@ -6,8 +6,8 @@ CI checks that code: values against the float64 twin at both tf32 splits, every 
 the outputs and scratch written, no write outside a buffer, the same bits for any chunking on
 the 64-row grid, for every CTA shape, and for every thread schedule; and that the checks fail
 on a planted break (a chunk-start anchor; a barrier removed; V' in S's buffer; the state's
-decay one ulp off or one row off). The GPU tests (test_gpu_delta_mma.py) check the same on the H200. Skips
-when no C++ compiler is found.
+decay one ulp off or one row off). The GPU tests (test_gpu_delta_mma.py) check the same on the
+H200. Skips when no C++ compiler is found.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ S over the V' the others still read for M V' and the state update (no barrier en
 def device_code(source: str, plant: tuple[str, str] | None = None) -> str:
     """delta_mma.cu's device code as host C++: the mma helpers and both phases, its dynamic
     shared memory the emulator's block buffer. plant: (text, replacement), a planted break
-    (PLANTED_BARRIER, PLANTED_ALIAS, PLANTED_DECAY, PLANTED_DECAY_ROW). Raises ValueError when the source lost a marker or the
-    plant's text is not there exactly once."""
+    (PLANTED_BARRIER, PLANTED_ALIAS, PLANTED_DECAY, PLANTED_DECAY_ROW). Raises ValueError when the
+    source lost a marker or the plant's text is not there exactly once."""
     markers = ("template <int SPLIT, bool A_TF32", "__device__ __forceinline__ u32 smem_addr",
                "// Shared-memory layout of phase 1", "// Entry points")
     missing = [m for m in markers if m not in source]
@@ -252,7 +252,8 @@ SLOW's pinned in session 36, the same on 841e2bf's source and on the walk split 
 
 PLANTED_DECAY = ("        const float decay = dv[n - 1];",
                  "        const float decay = __uint_as_float(__float_as_uint(dv[n - 1]) + 1u);")
-"""The state's decay over a sub-chunk, e^(c_last), one ulp off: WIDE's bits do not move, SLOW's do."""
+"""The state's decay over a sub-chunk, e^(c_last), one ulp off: SLOW's pinned bits move (WIDE's did
+not, session 36)."""
 
 
 def _pinned_digest(exe, tmp, case, split):
