@@ -18,7 +18,17 @@ instructions, not its bytes: a tile whose rows and the taps - 1 rows before them
 lane's (most tiles of a long chunk) sums from the loaded rows alone, without the per-tap tail
 test and lane walk (the same fma chain, exp and division a value: the PTX's float
 instructions a value are identical on both paths), and indices are unsigned (no negative-index
-wraparound code: 64-bit integer instructions were half the kernel's). The L2 norm of a q or k
+wraparound code: 64-bit integer instructions were half the kernel's). Still instruction-bound
+at the 9B's 8K chunk on the H100 (Nsight Compute, session 37: DRAM 61%, issue slots 76% busy,
+~94 instructions an output), so: the bf16 rounding of an input is 32-bit arithmetic
+(device.round_bf16, same bits; numba's uint32 sums were 64-bit), a tile's loads and stores
+step a row pointer (row r0 + i as u32(r0) + i, which LLVM folds, not u32(r0 + i), which it
+must truncate a row at a time; a q/k head stored through its [rows, key_dim] view), and a q/k
+tile's norms take one reduce-scatter butterfly for all its rows (norms.warp_sum_rows) and one
+square root and division a lane instead of a butterfly, a root and a division a row in every
+thread (each row's inverse norm is then shuffled from the lanes that hold it): 48 -> 44
+registers, same float operations a value (.dbg/s37/conv/regs.py and fops.py, PTX for sm_90
+without a GPU; unmeasured on the GPU). The L2 norm of a q or k
 head (key_dim channels) is summed in the order `delta_rule`'s separate prep kernel used
 before this pass existed: thread t adds its channels t, t + THREADS, ... to 0, then a
 fixed tree over the block's THREADS slots (its last five steps as a warp's xor butterfly,
@@ -40,12 +50,18 @@ from executor.numba_cuda.device import (
     check,
     empty,
     f32_to_bf16,
+    round_bf16,
 )
 from executor.numba_cuda.launch import fast
-from executor.numba_cuda.norms import fold_wide, warp_sum
+from executor.numba_cuda.norms import fold_wide, shfl_idx, warp_sum, warp_sum_rows
 
 ROW_TILE = 8
-"""Consecutive rows of one channel each conv thread computes in prefill (1 in decode)."""
+"""Consecutive rows of one channel each conv thread computes in prefill (1 in decode). Knob:
+more rows share a thread's lane search, weights and taps - 1 halo loads (11 loads for 8 rows at
+4 taps) and, at a power of two up to 32, one norm per lane group (`_conv_kernel_for`), for more
+registers held across the tile's loads; no bit depends on it. 8: 48 registers, 62.5% occupancy
+on the H100 before session 37 (Nsight Compute), 44 since (ptxas for sm_90, same occupancy);
+.dbg/s37/conv/time_conv.py times 4, 8 and 16."""
 MAX_KEY_DIM = 2 * THREADS
 """Largest key head dim `causal_conv1d_qkv` normalises (a thread takes at most two channels);
 the delta-rule kernels take at most the same (delta_rule.MAX_KEY_DIM)."""
@@ -64,6 +80,10 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
     keep = taps - 1
     span = row_tile + keep
     per = max(1, -(-key_dim // THREADS))  # channels of a q/k head one thread takes
+    # rows a power of two up to 32: the q/k norm's last five tree steps for all the tile's rows
+    # at once (norms.warp_sum_rows), lane l holding row l >> shift; else a warp_sum a row
+    scatter = 1 < row_tile <= 32 and row_tile & (row_tile - 1) == 0
+    shift = 5 - (row_tile.bit_length() - 1)
 
     @cuda.jit(device=True, inline=True)
     def conv_tile(x, row_start, slots, weight, tails, r0, end, c, y, k):
@@ -90,13 +110,14 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
         # lane change, no row past the call's end): most tiles of a long chunk
         inside = r0 - keep >= row0 and r0 + row_tile <= nxt
         if inside:
+            first = u32(r0 - keep)  # >= row0 >= 0; first + m has no wraparound for LLVM to keep
             for m in range(span):  # every load issued before any is used
-                xin[m] = x[u32(r0 - keep + m), cu]
+                xin[m] = x[first + u32(m), cu]
         else:
             for m in range(span):  # rows clamped into the call's
                 xin[m] = x[u32(min(max(r0 - keep + m, 0), end - 1)), cu]
         for m in range(span):
-            xin[m] = bf16_to_f32(f32_to_bf16(xin[m]))
+            xin[m] = round_bf16(xin[m])  # bf16_to_f32(f32_to_bf16(.)), in 32-bit arithmetic
         if inside:  # the same sums as below, from xin only
             for i in range(row_tile):
                 acc = _F32(0.0)
@@ -129,6 +150,7 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
         t = cuda.threadIdx.x
         yb = cuda.blockIdx.y
         r0 = cuda.blockIdx.x * row_tile
+        ur0 = u32(r0)  # row ur0 + u32(i): one base, no per-row truncation for LLVM to keep
         end = row_start[slots.shape[0]]
         if r0 >= end:  # the whole block
             return
@@ -138,9 +160,10 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
             if c >= x.shape[1]:
                 return
             conv_tile(x, row_start, slots, weight, tails, r0, end, c, y, 0)
+            oc = u32(c - 2 * key_heads * key_dim)
             for i in range(row_tile):
                 if r0 + i < end:
-                    out[u32(r0 + i), u32(c - 2 * key_heads * key_dim)] = y[0, i]
+                    out[ur0 + u32(i), oc] = y[0, i]
             return
         # head yb (q heads, then k heads): its key_dim channels, thread t taking t, t + THREADS, ...
         for k in range(per):
@@ -161,19 +184,32 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
         scale = _F32(1.0) / math.sqrt(_F32(key_dim))
         is_q = yb < key_heads
         head = yb if is_q else yb - key_heads
+        # the head's [rows, key_dim] views: a row's address is one add from the last (indexing
+        # qn[r, head, ch] multiplied out ((r * heads + head) * key_dim + ch) at every row)
+        q_head = qn[:, u32(head) if is_q else u32(0)]
+        k_head = kn[:, u32(0) if is_q else u32(head)]
         scratch = cuda.shared.array((_WARPS, 32), np.float32)  # the simulator's warp tree only
+        if scatter:  # each row's sum in one lane group, its norm there, then shuffled to all
+            lane = u32(t) % u32(32)
+            v = cuda.local.array(row_tile, np.float32)
+            for i in range(row_tile):
+                v[i] = buf[u32(i), lane]
+            mine = _F32(1.0) / math.sqrt(warp_sum_rows(v, row_tile, scratch) + _F32(1e-6))
         for i in range(row_tile):
-            total = warp_sum(buf[i, t % 32], scratch)
+            if scatter:
+                inv = shfl_idx(mine, i << shift, scratch)
+            else:
+                total = warp_sum(buf[i, t % 32], scratch)
+                inv = _F32(1.0) / math.sqrt(total + _F32(1e-6))
             r = r0 + i
             if r < end:
-                inv = _F32(1.0) / math.sqrt(total + _F32(1e-6))
                 for k in range(per):
                     ch = t + k * THREADS
                     if ch < key_dim:
                         if is_q:
-                            qn[u32(r), u32(head), u32(ch)] = (y[k, i] * inv) * scale
+                            q_head[ur0 + u32(i), u32(ch)] = (y[k, i] * inv) * scale
                         else:
-                            kn[u32(r), u32(head), u32(ch)] = y[k, i] * inv
+                            k_head[ur0 + u32(i), u32(ch)] = y[k, i] * inv
 
     return _conv_kernel
 

@@ -596,6 +596,14 @@ if IS_SIMULATOR:
             return np.uint16((u >> 16) | 0x40)
         return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
+    def f32_to_bf16_32(x):
+        """`f32_to_bf16` (the same bits); on a GPU in 32-bit integer arithmetic."""
+        return f32_to_bf16(x)
+
+    def round_bf16(x):
+        """bf16_to_f32(f32_to_bf16(x)) (the same bits); on a GPU in 32-bit integer arithmetic."""
+        return bf16_to_f32(f32_to_bf16(x))
+
 else:
     from numba.cuda import libdevice
 
@@ -612,6 +620,32 @@ else:
             return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
         r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
         return np.uint16(r)
+
+    # numba types uint32 + uint32 as uint64, and a 64-bit sum shifted right keeps its carry, so
+    # `f32_to_bf16` adds and shifts in 64 bits (IADD3 + IADD3.X + SHF.R.U64 a value in the SASS).
+    # The two below cast the sum back to uint32 before any shift, and LLVM then narrows the whole
+    # chain to 32 bits. Same bits: a non-NaN u is at most 0xFF800000 (-inf), so u + 0x7FFF + 1
+    # never wraps 32 bits; NaN takes the same branch as in `f32_to_bf16`.
+
+    @cuda.jit(device=True, inline=True)
+    def f32_to_bf16_32(x):
+        """`f32_to_bf16` (the same bits) in 32-bit integer arithmetic."""
+        u = np.uint32(libdevice.float_as_int(x))
+        if x != x:
+            return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+        r = np.uint32(u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+        return np.uint16(r >> np.uint32(16))
+
+    @cuda.jit(device=True, inline=True)
+    def round_bf16(x):
+        """bf16_to_f32(f32_to_bf16(x)) (the same bits: x rounded to bf16, as float32) in 32-bit
+        integer arithmetic, the low half masked off instead of shifted down and back."""
+        u = np.uint32(libdevice.float_as_int(x))
+        if x != x:
+            r = np.uint32(u | np.uint32(0x400000))
+        else:
+            r = np.uint32(u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+        return libdevice.int_as_float(np.int32(r & np.uint32(0xFFFF0000)))
 
 
 def synchronize() -> None:

@@ -17,7 +17,15 @@ from pathlib import Path
 import numpy as np
 from numba import cuda, uint32 as u32
 
-from executor.numba_cuda.device import IS_SIMULATOR, THREADS, check, device_pointer, empty, f32_to_bf16
+from executor.numba_cuda.device import (
+    IS_SIMULATOR,
+    THREADS,
+    check,
+    device_pointer,
+    empty,
+    f32_to_bf16,
+    f32_to_bf16_32,
+)
 from executor.numba_cuda.launch import fast
 
 _F32 = np.float32
@@ -81,6 +89,27 @@ if IS_SIMULATOR:  # device functions, so the simulator lends them its `cuda` fro
         """The max of `value` over the warp's 32 lanes; every lane gets it."""
         return warp_tree(value, scratch, max)
 
+    @cuda.jit(device=True)
+    def shfl_xor(value, step, scratch):
+        """Lane l gets lane l ^ step's `value` (through scratch, as `warp_tree`)."""
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        scratch[warp, lane] = value
+        cuda.syncthreads()
+        result = scratch[warp, lane ^ step]
+        cuda.syncthreads()
+        return result
+
+    @cuda.jit(device=True)
+    def shfl_idx(value, src, scratch):
+        """Every lane gets lane `src`'s `value` (through scratch, as `warp_tree`)."""
+        warp = cuda.threadIdx.x // 32
+        scratch[warp, cuda.threadIdx.x % 32] = value
+        cuda.syncthreads()
+        result = scratch[warp, src]
+        cuda.syncthreads()
+        return result
+
 else:
 
     @cuda.jit(device=True, inline=True)
@@ -99,6 +128,49 @@ else:
         for step in (16, 8, 4, 2, 1):
             value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, step))
         return value
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(value, step, scratch):
+        """Lane l gets lane l ^ step's `value`. scratch and callers: as `warp_sum`."""
+        return cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_idx(value, src, scratch):
+        """Every lane gets lane `src`'s `value`. scratch and callers: as `warp_sum`."""
+        return cuda.shfl_sync(0xFFFFFFFF, value, src)
+
+
+@cuda.jit(device=True, inline=True)
+def _halve(v, half, step, lane, scratch):
+    """One step of `warp_sum_rows`: `half` == 0: v[0] += lane l ^ step's v[0] (the butterfly's
+    step); else lanes whose bit `step` is clear keep rows v[:half], the others v[half:2 half],
+    each adding the partner lane's value of the kept row (v[k] = kept + partner's, into v[:half])."""
+    if half == 0:
+        v[0] = v[0] + shfl_xor(v[0], step, scratch)
+        return
+    high = (lane & step) != 0
+    for k in range(half):
+        a = v[k]
+        b = v[k + half]
+        v[k] = (b if high else a) + shfl_xor(a if high else b, step, scratch)
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum_rows(v, count, scratch):
+    """`warp_sum` of `count` rows at once (count a power of two up to 32, a compile-time
+    constant; v: local f32 [count], row i's value in v[i]): lane l returns the sum of row
+    l >> (5 - log2 count) (lanes 0-3 row 0 ... for 8 rows), v clobbered. Each step of the xor
+    butterfly (16, 8, ... 1) adds a lane's value and its partner's as `warp_sum` does, but the
+    two partners split the rows they still hold (a reduce-scatter): 8 rows cost 4 + 2 + 1 + 1 +
+    1 shuffles and adds instead of 40, and the sums are `warp_sum`'s bits (a + b = b + a).
+    Every thread of the block must call it (`warp_sum`'s simulator twin synchronises)."""
+    lane = cuda.threadIdx.x % 32
+    _halve(v, count >> 1, 16, lane, scratch)
+    _halve(v, count >> 2, 8, lane, scratch)
+    _halve(v, count >> 3, 4, lane, scratch)
+    _halve(v, count >> 4, 2, lane, scratch)
+    _halve(v, count >> 5, 1, lane, scratch)
+    return v[0]
 
 
 
@@ -295,15 +367,24 @@ def add_rms_norm(x, weight, eps: float, delta=None, out=None, stream=0, threads:
 
 
 GATED_WARPS = 8
-"""(row, head) pairs per block of `gated_rms_norm`: one warp each."""
+"""Heads of one row per block of `gated_rms_norm` (one warp each; a row of fewer heads leaves
+warps idle). Knob: more warps a block are fewer, larger blocks; no bit depends on it."""
 
 
 @functools.cache
-def _gated_rms_norm_kernel_for(dim: int):
-    """The gated RMSNorm kernel for heads of `dim`: each lane loads its dim / 32 values of x
-    and of the gate before it sums any (a lane that loaded, summed and loaded again had one
-    load in flight: ~1.2 TB/s at the 9B's shapes, bench/RESULTS.md session 28), in the same
-    order as ever: lane's dims lane, lane + 32, ... from 0, then the xor butterfly."""
+def _gated_rms_norm_kernel_for(dim: int, warps: int):
+    """The gated RMSNorm kernel for heads of `dim`, `warps` heads of one row a block (grid: rows,
+    head groups): each lane loads its dim / 32 values of x and of the gate before it sums any (a
+    lane that loaded, summed and loaded again had one load in flight: ~1.2 TB/s at the 9B's
+    shapes, bench/RESULTS.md session 28), in the same order as ever: lane's dims lane, lane + 32,
+    ... from 0, then the xor butterfly; each output is the same float expression as ever.
+
+    Instructions, not bytes, bounded it (Nsight Compute on the H100, 9B, 8192 rows, session 37:
+    DRAM 70%, issue slots 78% busy, ~430 instructions a warp). The (row, head) of a warp came
+    from a 64-bit division and modulo of its pair number by the head count (a division routine a
+    warp); now from the block's two grid indices. Lane and head are unsigned 32-bit values, so
+    no index has wraparound or sign code, and the bf16 of an output is rounded in 32-bit
+    arithmetic (device.f32_to_bf16_32, the same bits)."""
     n = max(1, -(-dim // 32))  # values a lane holds
 
     @fast
@@ -311,36 +392,35 @@ def _gated_rms_norm_kernel_for(dim: int):
     def _gated_rms_norm_kernel(x, gate, weight, eps, out):
         # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32
         # out: [rows, heads * dim] bf16; one warp per (row, head)
-        heads = x.shape[1]
-        pair = cuda.blockIdx.x * GATED_WARPS + cuda.threadIdx.x // 32
-        lane = cuda.threadIdx.x % 32
-        scratch = cuda.shared.array((GATED_WARPS, 32), np.float32)  # the simulator's warp tree only
-        live = pair < x.shape[0] * heads
+        tid = u32(cuda.threadIdx.x)
+        lane = tid % u32(32)
+        row = u32(cuda.blockIdx.x)
+        head = u32(u32(cuda.blockIdx.y) * u32(warps) + tid // u32(32))
+        scratch = cuda.shared.array((warps, 32), np.float32)  # the simulator's warp tree only
+        live = head < x.shape[1]
         if not live:
-            pair = 0  # idle warps of the last block compute a real pair and store nothing
-        row = pair // heads
-        head = pair % heads
+            head = u32(0)  # idle warps of the row's last block compute a real head and store nothing
+        col = u32(head * u32(dim))  # the head's first column of gate and out
         xs = cuda.local.array(n, np.float32)
         gs = cuda.local.array(n, np.float32)
-        ur, uh = u32(row), u32(head)  # unsigned indices: no negative-index wraparound code
         for k in range(n):
-            i = lane + 32 * k
+            i = u32(lane + u32(32 * k))
             if i < dim:
-                xs[k] = x[ur, uh, u32(i)]
-                gs[k] = gate[ur, u32(head * dim + i)]
+                xs[k] = x[row, head, i]
+                gs[k] = gate[row, u32(col + i)]
         ssq = _F32(0.0)
         for k in range(n):
-            if lane + 32 * k < dim:
+            if u32(lane + u32(32 * k)) < dim:
                 ssq += xs[k] * xs[k]
         ssq = warp_sum(ssq, scratch)
         inv = _F32(1.0) / math.sqrt(ssq / _F32(dim) + _F32(eps))
         if live:
             for k in range(n):
-                i = lane + 32 * k
+                i = u32(lane + u32(32 * k))
                 if i < dim:
                     g = gs[k]
                     silu = g / (_F32(1.0) + math.exp(-g))
-                    out[ur, u32(head * dim + i)] = f32_to_bf16(xs[k] * inv * weight[u32(i)] * silu)
+                    out[row, u32(col + i)] = f32_to_bf16_32(xs[k] * inv * weight[i] * silu)
 
     return _gated_rms_norm_kernel
 
@@ -363,8 +443,8 @@ def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
         raise ValueError(f"gate {gate.shape} / weight {weight.shape} do not fit x {x.shape}")
     out = empty((rows, heads * dim), np.uint16, stream) if out is None else out
     if rows:
-        pairs = rows * heads
-        _gated_rms_norm_kernel_for(dim)[(pairs + GATED_WARPS - 1) // GATED_WARPS, GATED_WARPS * 32, stream](
+        warps = GATED_WARPS
+        _gated_rms_norm_kernel_for(dim, warps)[(rows, -(-heads // warps)), warps * 32, stream](
             x, gate, weight, eps, out)
     return out
 
