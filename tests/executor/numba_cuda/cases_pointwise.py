@@ -81,7 +81,7 @@ def test_add_rms_norm_rejects_unroll_0():
 @pytest.mark.parametrize("rows,heads,dim", [(2, 3, 16), (5, 3, 128)])
 def test_gated_rms_norm_reads_a_column_slice(rows, heads, dim):
     """One warp per (row, head): dims below and above the 32 lanes, and a last block with
-    idle warps (15 pairs in blocks of GATED_WARPS)."""
+    idle warps (3 heads of a row in a block of GATED_WARPS)."""
     r = rng()
     x = r.normal(size=(rows, heads, dim)).astype(np.float32)
     wide = r.normal(size=(rows, 5 + heads * dim)).astype(np.float32)
