@@ -233,6 +233,29 @@ def test_q_norm_rope(heads, head_dim, rotary):
     assert_close("q_norm_rope", ref, out, 1e-5, rel=True)
 
 
+def test_q_norm_rope_rows_per_block_changes_no_bit(monkeypatch):
+    """A block that takes ROWS_PER_BLOCK rows (loading each row's dims while the row before it
+    is worked) gives every bit that one row a block gives: 7 rows (a last block of 3), heads
+    past a block, dims past a thread. A prefetch of the wrong row, or a row left out, fails."""
+    r = rng()
+    rows, heads, head_dim, rotary = 7, 5, 160, 8
+    qg = r.normal(size=(rows, heads * 2 * head_dim)).astype(np.float32)
+    weight = r.normal(0, 0.1, head_dim).astype(np.float32)
+    positions = np.arange(40, 40 + rows, dtype=np.int32)
+    freqs = attention_prep.inv_freq(1e6, rotary)
+    outs = []
+    for few in (attention_prep.FEW_ROWS, 0):
+        monkeypatch.setattr(attention_prep, "FEW_ROWS", few)
+        with poisoned():
+            outs.append(host(attention_prep.q_norm_rope(to_device(qg), to_device(weight), to_device(freqs),
+                                                        to_device(positions), 1e-6, heads, head_dim)))
+    assert attention_prep.rows_per_block(rows) == attention_prep.ROWS_PER_BLOCK > 1
+    np.testing.assert_array_equal(outs[1], outs[0])
+    query, _ = ops.split_query_gate(qg, heads, head_dim)
+    assert_close("q_norm_rope", ops.rope(ops.rms_norm(query, weight, 1e-6), positions, 1e6, rotary), outs[1], 1e-5,
+                 rel=True)
+
+
 def test_q_norm_rope_refuses_an_out_that_does_not_fit():
     """The kernel stores the heads of `out`: an out with more heads than qg would make it read
     past qg's rows (found in review), so it is refused."""
@@ -322,3 +345,39 @@ def test_last_row_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="meta"):
         elementwise.last_row(to_device(np.zeros((3, 4), np.float32)), to_device(np.zeros((3, 4), np.float32)),
                              to_device(np.ones(1, np.float32)))
+
+
+def test_kv_norm_rope_store_rows_per_block_changes_no_bit(monkeypatch):
+    """Blocks of ROWS_PER_BLOCK rows write the same cache bits as one row a block, padding
+    rows (slot -1) inside a block included: 9 rows over three blocks, dims past a thread."""
+    r = rng()
+    rows, kv_heads, head_dim, rotary, slots, capacity = 9, 2, 160, 8, 2, 12
+    kv = r.normal(size=(rows, 2 * kv_heads * head_dim)).astype(np.float32)
+    weight = r.normal(0, 0.1, head_dim).astype(np.float32)
+    positions = np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 8], np.int32)
+    slot = np.asarray([1, 1, -1, 1, 0, 0, -1, 0, 1], np.int32)
+    freqs = attention_prep.inv_freq(1e4, rotary)
+    caches = []
+    for few in (attention_prep.FEW_ROWS, 0):
+        monkeypatch.setattr(attention_prep, "FEW_ROWS", few)
+        with poisoned():
+            kcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
+            vcache = empty((slots, capacity, kv_heads, head_dim), np.uint16)
+            attention_prep.kv_norm_rope_store(to_device(kv), to_device(weight), to_device(freqs),
+                                              to_device(positions), to_device(slot), 1e-6, kcache, vcache)
+        caches.append((kcache.copy_to_host(), vcache.copy_to_host()))
+    assert attention_prep.rows_per_block(rows) == attention_prep.ROWS_PER_BLOCK > 1
+    for one, blocked in zip(*caches):
+        np.testing.assert_array_equal(blocked, one)
+    k, v = caches[1]
+    live = slot >= 0
+    written = np.zeros((slots, capacity), bool)
+    written[slot[live], positions[live]] = True
+    for cache in (k, v):
+        assert not np.isnan(as_f32(cache[written])).any()
+        assert np.isnan(as_f32(cache[~written])).all(), "a padding row wrote a cache row"
+    kk = kv[:, : kv_heads * head_dim].reshape(rows, kv_heads, head_dim)
+    ref = ops.rope(ops.rms_norm(kk, weight, 1e-6), positions, 1e4, rotary)
+    assert_close("k cache", ref[live], as_f32(k[slot[live], positions[live]]), BF16_TOL, rel=True)
+    np.testing.assert_array_equal(v[slot[live], positions[live]],
+                                  bf16(kv[live, kv_heads * head_dim :].reshape(-1, kv_heads, head_dim)))
