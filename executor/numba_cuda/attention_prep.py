@@ -33,15 +33,17 @@ Q_HEADS_PER_BLOCK = 4
 """Query heads one block of `q_norm_rope` takes (THREADS threads each): a row's rotation
 angles are worked out once for them all."""
 
-ROWS_PER_BLOCK = 4
+ROWS_PER_BLOCK = 8
 """Rows one block of `q_norm_rope` and `kv_norm_rope_store` takes in a prefill, one after the
 other, each row's loads issued while the row before it is normed, rotated and stored (its
 latency hidden behind that work instead of stalling a block that has nothing else to do).
 A row's bits do not depend on it: each row goes through the same operations in the same
 order. Chunks of at most FEW_ROWS rows (decode rounds, short chunks) take one row a block,
-so that they keep as many blocks as rows."""
+so that they keep as many blocks as rows. H100, 9B, 32K rows (bench/RESULTS.md, session
+37), q / K+V ms: one row a block, before 0.792 / 0.424; rows a block 1, 2, 4, 8: 1.082 /
+0.335, 0.886 / 0.290, 0.753 / 0.256, 0.683 / 0.248, all the same bytes."""
 
-FEW_ROWS = 512
+FEW_ROWS = 1024
 """Row count up to which the kernels take one row a block (see ROWS_PER_BLOCK)."""
 
 
