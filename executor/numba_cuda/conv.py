@@ -27,8 +27,9 @@ must truncate a row at a time; a q/k head stored through its [rows, key_dim] vie
 tile's norms take one reduce-scatter butterfly for all its rows (norms.warp_sum_rows) and one
 square root and division a lane instead of a butterfly, a root and a division a row in every
 thread (each row's inverse norm is then shuffled from the lanes that hold it): 48 -> 44
-registers, same float operations a value (.dbg/s37/conv/regs.py and fops.py, PTX for sm_90
-without a GPU; unmeasured on the GPU). The L2 norm of a q or k
+registers, same float operations a value (PTX and ptxas for sm_90), and the 9B's 32K prefill's
+conv time 27.1 -> 22.2 ms on the H100 with the same logits bits (bench/RESULTS.md, session
+37). The L2 norm of a q or k
 head (key_dim channels) is summed in the order `delta_rule`'s separate prep kernel used
 before this pass existed: thread t adds its channels t, t + THREADS, ... to 0, then a
 fixed tree over the block's THREADS slots (its last five steps as a warp's xor butterfly,
@@ -60,8 +61,8 @@ ROW_TILE = 8
 more rows share a thread's lane search, weights and taps - 1 halo loads (11 loads for 8 rows at
 4 taps) and, at a power of two up to 32, one norm per lane group (`_conv_kernel_for`), for more
 registers held across the tile's loads; no bit depends on it. 8: 48 registers, 62.5% occupancy
-on the H100 before session 37 (Nsight Compute), 44 since (ptxas for sm_90, same occupancy);
-.dbg/s37/conv/time_conv.py times 4, 8 and 16."""
+on the H100 before session 37 (Nsight Compute), 44 since (ptxas for sm_90, same occupancy).
+H100, 9B, 32K rows, before session 37: 8 1.057 ms, 4 1.237, 16 1.241 (bench/RESULTS.md)."""
 MAX_KEY_DIM = 2 * THREADS
 """Largest key head dim `causal_conv1d_qkv` normalises (a thread takes at most two channels);
 the delta-rule kernels take at most the same (delta_rule.MAX_KEY_DIM)."""
