@@ -125,6 +125,29 @@ __device__ __forceinline__ void split_store(float* hi, float* lo, float x) {
     if (SPLIT == 3) lo[0] = __uint_as_float(tf32(__fsub_rn(x, __uint_as_float(h))));
 }
 
+// The operand pairs `mma` makes from x[0..N): hi = tf32(x) and, for SPLIT 3, lo = tf32(x - hi).
+// Phase 1 splits each fragment once and multiplies it by several (mma_split): the Gram loop's
+// k fragment serves k k^T and q k^T, and T's fragments every n-tile of W and U.
+template <int SPLIT, int N>
+__device__ __forceinline__ void split(u32* hi, u32* lo, const float* x) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        hi[i] = tf32(x[i]);
+        if (SPLIT == 3) lo[i] = tf32(__fsub_rn(x[i], __uint_as_float(hi[i])));
+    }
+}
+
+// d += a b as mma<SPLIT> does, both operands given as their `split` pairs: the same tf32 products
+// in the same order (big*small, small*big, big*big), so the same bits.
+template <int SPLIT>
+__device__ __forceinline__ void mma_split(float* d, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
+    if (SPLIT == 3) {
+        mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+        mma_tf32(d, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    }
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+}
+
 // x as the value a SPLIT-1 product will use (tf32), or x itself for SPLIT 3 (which splits it).
 template <int SPLIT>
 __device__ __forceinline__ float operand(float x) {
@@ -175,6 +198,14 @@ struct PrepareSmem {
 };
 
 // Phase 1: one CTA of 8 warps per (sub-chunk, `per_block` value heads of one key head).
+// Thread tid's place in a 16 x 16 block: row tid / 16, column tid % 16 (the forward substitution's
+// block rows). Each product splits its operands once (`split`) and multiplies the pairs as often
+// as they are used (`mma_split`): the Gram loop's k fragment for k k^T and q k^T, T's fragments
+// for every n-tile of W and U (k-steps outer, a warp's n-tiles inner). v rows are copied raw
+// (cp.async, issued when a head starts) and multiplied by beta as U reads them: the same product
+// __fmul_rn(v, beta) the stored beta v was. The same operations in the same order as one mma<SPLIT>
+// an n-tile and k-step (and as the store of beta v rows): the same bits (session 37: 128 ->
+// NEWREGS registers without spills, ~14K -> NEWINS SASS instructions a warp for two value heads).
 template <int KD, int VD, int SPLIT>
 __device__ __forceinline__ void prepare(const float* q, const float* k, const float* mixed, const float* g,
                                         const float* beta, float* w_out, float* u_out, float* m_out, float* dv_out,
@@ -182,6 +213,7 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
                                         int per_block) {
     using L = PrepareSmem<KD, VD>;
     constexpr int THREADS = 256;
+    constexpr int WN = (KD / 8 + 1) / 2, UN = (VD / 8 + 1) / 2;  // n-tiles of W / U a warp makes (at most)
     extern __shared__ __align__(16) float smem[];
     float* ks = smem + L::K;
     float* qs = smem + L::Q;
@@ -199,20 +231,19 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
     const int lo = max(0, s * C - off);
     const int n = min(rows, (s + 1) * C - off) - lo;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane >> 2, tq = lane & 3;
+    const int br = tid / 16, bc = tid % 16;  // place in a 16 x 16 block
     const size_t row_len = (size_t)key_heads * KD;
 
     // k and q rows of the sub-chunk (zeros past n)
     for (int e = tid; e < C * (KD / 4); e += THREADS) {
         const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
-        float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
-        if (i < n) {
-            const size_t at = (size_t)(lo + i) * row_len + (size_t)kh * KD + c4;
-            kv = *reinterpret_cast<const float4*>(k + at);
-            qv = *reinterpret_cast<const float4*>(q + at);
-        }
-        *reinterpret_cast<float4*>(ks + i * L::LK + c4) = kv;
-        *reinterpret_cast<float4*>(qs + i * L::LQ + c4) = qv;
+        const bool live = i < n;
+        const size_t at = (size_t)(lo + i) * row_len + (size_t)kh * KD + c4;
+        copy16(ks + i * L::LK + c4, live ? k + at : k, live);
+        copy16(qs + i * L::LQ + c4, live ? q + at : q, live);
     }
+    commit();
+    wait_groups<0>();
     __syncthreads();
 
     // Gram matrices k k^T and q k^T, kept in registers: warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
@@ -227,18 +258,31 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
         float ak[4], aq[4];
         a_fragment(ak, ks, L::LK, gr, k0, tq);
         a_fragment(aq, qs, L::LQ, gr, k0, tq);
+        u32 akh[4], akl[4], aqh[4], aql[4];
+        split<SPLIT, 4>(akh, akl, ak);
+        split<SPLIT, 4>(aqh, aql, aq);
 #pragma unroll
         for (int j = 0; j < C / 16; ++j) {
             const int col = 8 * (warp / 4 + 2 * j) + gq;
             const float b[2] = {ks[col * L::LK + k0 + tq], ks[col * L::LK + k0 + tq + 4]};
-            mma<SPLIT>(acc_k[j], ak, b);
-            mma<SPLIT>(acc_q[j], aq, b);
+            u32 bh[2], bl[2];
+            split<SPLIT, 2>(bh, bl, b);
+            mma_split<SPLIT>(acc_k[j], akh, akl, bh, bl);
+            mma_split<SPLIT>(acc_q[j], aqh, aql, bh, bl);
         }
     }
 
     for (int vi = 0; vi < per_block; ++vi) {
         const int hv = vh0 + vi;
         __syncthreads();  // q rows read; the previous head's buffers free
+        // v rows into the q buffer (zeros past n), landing while A and T are made
+        for (int e = tid; e < C * (VD / 4); e += THREADS) {
+            const int i = e / (VD / 4), c4 = (e % (VD / 4)) * 4;
+            const bool live = i < n;
+            const float* src = mixed + (size_t)(lo + i) * channels + v0 + (size_t)hv * VD + c4;
+            copy16(qs + i * L::LQ + c4, live ? src : mixed, live);
+        }
+        commit();
         if (tid < C) {
             const bool live = tid < n;
             cs[tid] = live ? g[(size_t)(lo + tid) * value_heads + hv] : 0.f;
@@ -257,20 +301,6 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             if (lane == 0) excl = 0.f;
             cs[2 * lane] = __fadd_rn(excl, x0);
             cs[2 * lane + 1] = __fadd_rn(__fadd_rn(excl, x0), x1);
-        }
-        // beta v rows into the q buffer (zeros past n)
-        for (int e = tid; e < C * (VD / 4); e += THREADS) {
-            const int i = e / (VD / 4), c4 = (e % (VD / 4)) * 4;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < n) {
-                v = *reinterpret_cast<const float4*>(mixed + (size_t)(lo + i) * channels + v0 + (size_t)hv * VD + c4);
-                const float b = bs[i];
-                v.x = __fmul_rn(v.x, b);
-                v.y = __fmul_rn(v.y, b);
-                v.z = __fmul_rn(v.z, b);
-                v.w = __fmul_rn(v.w, b);
-            }
-            *reinterpret_cast<float4*>(qs + i * L::LQ + c4) = v;
         }
         __syncthreads();
         const float c_last = cs[n - 1];
@@ -299,10 +329,11 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             *reinterpret_cast<float2*>(m + gr * C + col) = make_float2(mv[0], mv[1]);
             *reinterpret_cast<float2*>(m + (gr + 8) * C + col) = make_float2(mv[2], mv[3]);
         }
-        for (int e = tid; e < C * C; e += THREADS) {
-            const int i = e / C, j = e % C;
-            if (j / 16 > i / 16) ts[i * L::LC + j] = 0.f;
-        }
+        // T's blocks above the diagonal are zeros (W and U multiply them)
+#pragma unroll
+        for (int bi = 0; bi < 3; ++bi)
+#pragma unroll
+            for (int bj = bi + 1; bj < 4; ++bj) ts[(16 * bi + br) * L::LC + 16 * bj + bc] = 0.f;
         __syncthreads();
 
         // T = (I + A)^-1. Diagonal 16 x 16 blocks: one column per thread, forward substitution
@@ -320,81 +351,121 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             }
         }
         __syncthreads();
-        // Block rows in order: X = sum_{bk in [bj, bi)} A_{bi,bk} T_{bk,bj} (into A's block
-        // (bi, bj), free once every X of the row is made), then T_{bi,bj} = -T_{bi,bi} X.
+        // Block rows in order: X_{bi,bj} = sum_{bk in [bj, bi)} A_{bi,bk} T_{bk,bj} (each chain over bk,
+        // then the block's columns, in order), then T_{bi,bj} = -T_{bi,bi} X_{bi,bj}. Thread (br, bc)
+        // makes element (br, bc) of every block of the row: a row of A (or T) it reads, 16 floats a
+        // block, serves every bj. X goes to A's block (bj, bi) above the diagonal, which nothing reads.
 #pragma unroll
         for (int bi = 1; bi < 4; ++bi) {
-            float x[3];
+            float x[3] = {0.f, 0.f, 0.f};
 #pragma unroll
-            for (int rep = 0; rep < 3; ++rep) {
-                const int e = tid + THREADS * rep;
-                x[rep] = 0.f;
-                if (rep < bi) {
-                    const int bj = e / 256, rr = (e / 16) % 16, cc = e % 16;
-                    float acc = 0.f;
-                    for (int bk = bj; bk < bi; ++bk)
+            for (int bk = 0; bk < bi; ++bk) {
+                float a[16];
 #pragma unroll
-                        for (int mm = 0; mm < 16; ++mm)
-                            acc = __fmaf_rn(as[(16 * bi + rr) * L::LC + 16 * bk + mm],
-                                            ts[(16 * bk + mm) * L::LC + 16 * bj + cc], acc);
-                    x[rep] = acc;
-                }
-            }
-            __syncthreads();
+                for (int mm = 0; mm < 16; mm += 4)
+                    *reinterpret_cast<float4*>(a + mm) =
+                        *reinterpret_cast<const float4*>(as + (16 * bi + br) * L::LC + 16 * bk + mm);
 #pragma unroll
-            for (int rep = 0; rep < 3; ++rep) {
-                const int e = tid + THREADS * rep;
-                if (rep < bi) as[(16 * bi + (e / 16) % 16) * L::LC + 16 * (e / 256) + e % 16] = x[rep];
-            }
-            __syncthreads();
-#pragma unroll
-            for (int rep = 0; rep < 3; ++rep) {
-                const int e = tid + THREADS * rep;
-                if (rep < bi) {
-                    const int bj = e / 256, rr = (e / 16) % 16, cc = e % 16;
-                    float acc = 0.f;
+                for (int bj = 0; bj <= bk; ++bj)
 #pragma unroll
                     for (int mm = 0; mm < 16; ++mm)
-                        acc = __fmaf_rn(ts[(16 * bi + rr) * L::LC + 16 * bi + mm],
-                                        as[(16 * bi + mm) * L::LC + 16 * bj + cc], acc);
-                    ts[(16 * bi + rr) * L::LC + 16 * bj + cc] = -acc;
-                }
+                        x[bj] = __fmaf_rn(a[mm], ts[(16 * bk + mm) * L::LC + 16 * bj + bc], x[bj]);
             }
+#pragma unroll
+            for (int bj = 0; bj < bi; ++bj) as[(16 * bj + br) * L::LC + 16 * bi + bc] = x[bj];
+            __syncthreads();
+            float t[16];
+#pragma unroll
+            for (int mm = 0; mm < 16; mm += 4)
+                *reinterpret_cast<float4*>(t + mm) =
+                    *reinterpret_cast<const float4*>(ts + (16 * bi + br) * L::LC + 16 * bi + mm);
+#pragma unroll
+            for (int bj = 0; bj < bi; ++bj) {
+                float acc = 0.f;
+#pragma unroll
+                for (int mm = 0; mm < 16; ++mm) acc = __fmaf_rn(t[mm], as[(16 * bj + mm) * L::LC + 16 * bi + bc], acc);
+                ts[(16 * bi + br) * L::LC + 16 * bj + bc] = -acc;
+            }
+            if (bi == 3) wait_groups<0>();  // this thread's v rows are in
             __syncthreads();
         }
 
         // W = T (beta e^c k) and U = T (beta v): warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
         {
             const int r = 16 * (warp % 4) + gq;
-            float ta[C / 8][4];
-#pragma unroll
-            for (int kt = 0; kt < C / 8; ++kt) a_fragment(ta[kt], ts, L::LC, r, 8 * kt, tq);
             float* w = w_out + ((size_t)s * value_heads + hv) * C * KD;
-            for (int nt = warp / 4; nt < KD / 8; nt += 2) {
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            float acc[WN][4];
 #pragma unroll
-                for (int kt = 0; kt < C / 8; ++kt) {
-                    const int j = 8 * kt + tq;
-                    const float b[2] = {__fmul_rn(ks[j * L::LK + 8 * nt + gq], sc[j]),
-                                        __fmul_rn(ks[(j + 4) * L::LK + 8 * nt + gq], sc[j + 4])};
-                    mma<SPLIT>(acc, ta[kt], b);
+            for (int j = 0; j < WN; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+#pragma unroll
+            for (int kt = 0; kt < C / 8; ++kt) {
+                float a[4];
+                a_fragment(a, ts, L::LC, r, 8 * kt, tq);
+                u32 ah[4], al[4];
+                split<SPLIT, 4>(ah, al, a);
+                const int j = 8 * kt + tq;
+                const float s0 = sc[j], s1 = sc[j + 4];
+#pragma unroll
+                for (int jn = 0; jn < WN; ++jn) {
+                    const int nt = warp / 4 + 2 * jn;
+                    if (nt < KD / 8) {
+                        const float b[2] = {__fmul_rn(ks[j * L::LK + 8 * nt + gq], s0),
+                                            __fmul_rn(ks[(j + 4) * L::LK + 8 * nt + gq], s1)};
+                        u32 bh[2], bl[2];
+                        split<SPLIT, 2>(bh, bl, b);
+                        mma_split<SPLIT>(acc[jn], ah, al, bh, bl);
+                    }
                 }
-                *reinterpret_cast<float2*>(w + r * KD + 8 * nt + 2 * tq) =
-                    make_float2(operand<SPLIT>(acc[0]), operand<SPLIT>(acc[1]));
-                *reinterpret_cast<float2*>(w + (r + 8) * KD + 8 * nt + 2 * tq) =
-                    make_float2(operand<SPLIT>(acc[2]), operand<SPLIT>(acc[3]));
             }
-            float* u = u_out + ((size_t)s * value_heads + hv) * C * VD;
-            for (int nt = warp / 4; nt < VD / 8; nt += 2) {
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int kt = 0; kt < C / 8; ++kt) {
-                    const int j = 8 * kt + tq;
-                    const float b[2] = {qs[j * L::LQ + 8 * nt + gq], qs[(j + 4) * L::LQ + 8 * nt + gq]};
-                    mma<SPLIT>(acc, ta[kt], b);
+            for (int jn = 0; jn < WN; ++jn) {
+                const int nt = warp / 4 + 2 * jn;
+                if (nt < KD / 8) {
+                    *reinterpret_cast<float2*>(w + r * KD + 8 * nt + 2 * tq) =
+                        make_float2(operand<SPLIT>(acc[jn][0]), operand<SPLIT>(acc[jn][1]));
+                    *reinterpret_cast<float2*>(w + (r + 8) * KD + 8 * nt + 2 * tq) =
+                        make_float2(operand<SPLIT>(acc[jn][2]), operand<SPLIT>(acc[jn][3]));
                 }
-                *reinterpret_cast<float2*>(u + r * VD + 8 * nt + 2 * tq) = make_float2(acc[0], acc[1]);
-                *reinterpret_cast<float2*>(u + (r + 8) * VD + 8 * nt + 2 * tq) = make_float2(acc[2], acc[3]);
+            }
+        }
+        {
+            const int r = 16 * (warp % 4) + gq;
+            float* u = u_out + ((size_t)s * value_heads + hv) * C * VD;
+            float acc[UN][4];
+#pragma unroll
+            for (int j = 0; j < UN; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+#pragma unroll
+            for (int kt = 0; kt < C / 8; ++kt) {
+                float a[4];
+                a_fragment(a, ts, L::LC, r, 8 * kt, tq);
+                u32 ah[4], al[4];
+                split<SPLIT, 4>(ah, al, a);
+                const int j = 8 * kt + tq;
+                const float b0 = bs[j], b1 = bs[j + 4];
+#pragma unroll
+                for (int jn = 0; jn < UN; ++jn) {
+                    const int nt = warp / 4 + 2 * jn;
+                    if (nt < VD / 8) {
+                        const float b[2] = {__fmul_rn(qs[j * L::LQ + 8 * nt + gq], b0),
+                                            __fmul_rn(qs[(j + 4) * L::LQ + 8 * nt + gq], b1)};
+                        u32 bh[2], bl[2];
+                        split<SPLIT, 2>(bh, bl, b);
+                        mma_split<SPLIT>(acc[jn], ah, al, bh, bl);
+                    }
+                }
+            }
+#pragma unroll
+            for (int jn = 0; jn < UN; ++jn) {
+                const int nt = warp / 4 + 2 * jn;
+                if (nt < VD / 8) {
+                    *reinterpret_cast<float2*>(u + r * VD + 8 * nt + 2 * tq) = make_float2(acc[jn][0], acc[jn][1]);
+                    *reinterpret_cast<float2*>(u + (r + 8) * VD + 8 * nt + 2 * tq) =
+                        make_float2(acc[jn][2], acc[jn][3]);
+                }
             }
         }
     }
