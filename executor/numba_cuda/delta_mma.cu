@@ -197,6 +197,75 @@ struct PrepareSmem {
     static constexpr int FLOATS = VEC + 3 * C;
 };
 
+// out = T (diag(f) x) for phase 1's W (x: k rows, f: beta e^c; stored as the tf32 value the walk
+// multiplies with SPLIT 1) and U (x: v rows, f: beta): [C, N] row-major. th, tl: T's `split` pairs
+// (row stride C + 4); x row stride LX. Warp w makes the 4 m-tiles of n-tiles w + 8 j: each B element
+// f_j x_jc is made and converted by one warp, the A fragments come split. Per output element the
+// k-steps in order, each one mma<SPLIT> of the same operands: the same bits as converting both
+// operands at every product.
+template <int N, int LX, int SPLIT, bool ROUND>
+__device__ __forceinline__ void product_t(float* out, const float* th, const float* tl, const float* x, const float* f,
+                                          int warp, int gq, int tq) {
+    constexpr int LC = C + 4;
+    constexpr int NJ = (N / 8 + 7) / 8;  // n-tiles a warp makes (at most)
+    float acc[C / 16][NJ][4];
+#pragma unroll
+    for (int mt = 0; mt < C / 16; ++mt)
+#pragma unroll
+        for (int jn = 0; jn < NJ; ++jn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][jn][e] = 0.f;
+    // this thread's element of each fragment at k-step 0: a k-step adds immediates
+    const float* ah0 = th + gq * LC + tq;
+    const float* al0 = tl + gq * LC + tq;
+#pragma unroll 2
+    for (int kt = 0; kt < C / 8; ++kt) {
+        u32 ah[C / 16][4], al[C / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < C / 16; ++mt) {
+            const int at = 16 * mt * LC + 8 * kt;
+            ah[mt][0] = __float_as_uint(ah0[at]);
+            ah[mt][1] = __float_as_uint(ah0[at + 8 * LC]);
+            ah[mt][2] = __float_as_uint(ah0[at + 4]);
+            ah[mt][3] = __float_as_uint(ah0[at + 8 * LC + 4]);
+            if (SPLIT == 3) {
+                al[mt][0] = __float_as_uint(al0[at]);
+                al[mt][1] = __float_as_uint(al0[at + 8 * LC]);
+                al[mt][2] = __float_as_uint(al0[at + 4]);
+                al[mt][3] = __float_as_uint(al0[at + 8 * LC + 4]);
+            }
+        }
+        const float f0 = f[8 * kt + tq], f1 = f[8 * kt + tq + 4];
+#pragma unroll
+        for (int jn = 0; jn < NJ; ++jn) {
+            const int nt = warp + 8 * jn;
+            if (nt < N / 8) {
+                const float* xk = x + (8 * kt + tq) * LX + 8 * nt + gq;
+                const float b[2] = {__fmul_rn(xk[0], f0), __fmul_rn(xk[4 * LX], f1)};
+                u32 bh[2], bl[2];
+                split<SPLIT, 2>(bh, bl, b);
+#pragma unroll
+                for (int mt = 0; mt < C / 16; ++mt) mma_split<SPLIT>(acc[mt][jn], ah[mt], al[mt], bh, bl);
+            }
+        }
+    }
+#pragma unroll
+    for (int jn = 0; jn < NJ; ++jn) {
+        const int nt = warp + 8 * jn;
+        if (nt < N / 8) {
+#pragma unroll
+            for (int mt = 0; mt < C / 16; ++mt) {
+                const int r = 16 * mt + gq, col = 8 * nt + 2 * tq;
+                const float* d = acc[mt][jn];
+                *reinterpret_cast<float2*>(out + r * N + col) =
+                    ROUND ? make_float2(operand<SPLIT>(d[0]), operand<SPLIT>(d[1])) : make_float2(d[0], d[1]);
+                *reinterpret_cast<float2*>(out + (r + 8) * N + col) =
+                    ROUND ? make_float2(operand<SPLIT>(d[2]), operand<SPLIT>(d[3])) : make_float2(d[2], d[3]);
+            }
+        }
+    }
+}
+
 // Phase 1: one CTA of 8 warps per (sub-chunk, `per_block` value heads of one key head).
 // Thread tid's place in a 16 x 16 block: row tid / 16, column tid % 16 (the forward substitution's
 // block rows). Each product splits its operands once (`split`) and multiplies the pairs as often
@@ -390,84 +459,27 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             __syncthreads();
         }
 
-        // W = T (beta e^c k) and U = T (beta v): warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
-        {
-            const int r = 16 * (warp % 4) + gq;
-            float* w = w_out + ((size_t)s * value_heads + hv) * C * KD;
-            float acc[WN][4];
-#pragma unroll
-            for (int j = 0; j < WN; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-#pragma unroll
-            for (int kt = 0; kt < C / 8; ++kt) {
-                float a[4];
-                a_fragment(a, ts, L::LC, r, 8 * kt, tq);
-                u32 ah[4], al[4];
-                split<SPLIT, 4>(ah, al, a);
-                const int j = 8 * kt + tq;
-                const float s0 = sc[j], s1 = sc[j + 4];
-#pragma unroll
-                for (int jn = 0; jn < WN; ++jn) {
-                    const int nt = warp / 4 + 2 * jn;
-                    if (nt < KD / 8) {
-                        const float b[2] = {__fmul_rn(ks[j * L::LK + 8 * nt + gq], s0),
-                                            __fmul_rn(ks[(j + 4) * L::LK + 8 * nt + gq], s1)};
-                        u32 bh[2], bl[2];
-                        split<SPLIT, 2>(bh, bl, b);
-                        mma_split<SPLIT>(acc[jn], ah, al, bh, bl);
-                    }
-                }
-            }
-#pragma unroll
-            for (int jn = 0; jn < WN; ++jn) {
-                const int nt = warp / 4 + 2 * jn;
-                if (nt < KD / 8) {
-                    *reinterpret_cast<float2*>(w + r * KD + 8 * nt + 2 * tq) =
-                        make_float2(operand<SPLIT>(acc[jn][0]), operand<SPLIT>(acc[jn][1]));
-                    *reinterpret_cast<float2*>(w + (r + 8) * KD + 8 * nt + 2 * tq) =
-                        make_float2(operand<SPLIT>(acc[jn][2]), operand<SPLIT>(acc[jn][3]));
-                }
-            }
+        // T as the pairs `split` makes (tf32(T) in place; SPLIT 3: tf32(T - tf32(T)) in A's buffer,
+        // free now), made once here instead of by each warp that reads a fragment
+        for (int e = tid; e < C * C / 4; e += THREADS) {
+            const int i = e / (C / 4), c4 = (e % (C / 4)) * 4;
+            const float4 t = *reinterpret_cast<const float4*>(ts + i * L::LC + c4);
+            const float x[4] = {t.x, t.y, t.z, t.w};
+            u32 h[4], l[4];
+            split<SPLIT, 4>(h, l, x);
+            *reinterpret_cast<float4*>(ts + i * L::LC + c4) =
+                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]), __uint_as_float(h[3]));
+            if (SPLIT == 3)
+                *reinterpret_cast<float4*>(as + i * L::LC + c4) = make_float4(
+                    __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
         }
-        {
-            const int r = 16 * (warp % 4) + gq;
-            float* u = u_out + ((size_t)s * value_heads + hv) * C * VD;
-            float acc[UN][4];
-#pragma unroll
-            for (int j = 0; j < UN; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-#pragma unroll
-            for (int kt = 0; kt < C / 8; ++kt) {
-                float a[4];
-                a_fragment(a, ts, L::LC, r, 8 * kt, tq);
-                u32 ah[4], al[4];
-                split<SPLIT, 4>(ah, al, a);
-                const int j = 8 * kt + tq;
-                const float b0 = bs[j], b1 = bs[j + 4];
-#pragma unroll
-                for (int jn = 0; jn < UN; ++jn) {
-                    const int nt = warp / 4 + 2 * jn;
-                    if (nt < VD / 8) {
-                        const float b[2] = {__fmul_rn(qs[j * L::LQ + 8 * nt + gq], b0),
-                                            __fmul_rn(qs[(j + 4) * L::LQ + 8 * nt + gq], b1)};
-                        u32 bh[2], bl[2];
-                        split<SPLIT, 2>(bh, bl, b);
-                        mma_split<SPLIT>(acc[jn], ah, al, bh, bl);
-                    }
-                }
-            }
-#pragma unroll
-            for (int jn = 0; jn < UN; ++jn) {
-                const int nt = warp / 4 + 2 * jn;
-                if (nt < VD / 8) {
-                    *reinterpret_cast<float2*>(u + r * VD + 8 * nt + 2 * tq) = make_float2(acc[jn][0], acc[jn][1]);
-                    *reinterpret_cast<float2*>(u + (r + 8) * VD + 8 * nt + 2 * tq) =
-                        make_float2(acc[jn][2], acc[jn][3]);
-                }
-            }
-        }
+        __syncthreads();
+
+        // W = T (beta e^c k) and U = T (beta v): warp w makes all 4 m-tiles of n-tiles w + 8 j, so
+        // each B element is converted once
+        product_t<KD, L::LK, SPLIT, true>(w_out + ((size_t)s * value_heads + hv) * C * KD, ts, as, ks, sc, warp, gq, tq);
+        product_t<VD, L::LQ, SPLIT, false>(u_out + ((size_t)s * value_heads + hv) * C * VD, ts, as, qs, bs, warp, gq,
+                                           tq);
     }
 }
 
