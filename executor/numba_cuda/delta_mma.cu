@@ -197,6 +197,33 @@ struct PrepareSmem {
     static constexpr int FLOATS = VEC + 3 * C;
 };
 
+// The Gram fragments of phase 1: acc_k[j] += k k^T and acc_q[j] += q k^T over the key dim in order, at
+// rows gr, gr + 8 and the columns of n-tile warp / 4 + 2 j, for j < NJ (the tiles left of the warp's
+// 16-row block's right edge; the others stay zeros). Each k-step splits the k and q fragments once and
+// each k column once, for both products.
+template <int KD, int LK, int LQ, int SPLIT, int NJ>
+__device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C / 16][4], const float* ks,
+                                     const float* qs, int gr, int warp, int gq, int tq) {
+#pragma unroll 2
+    for (int k0 = 0; k0 < KD; k0 += 8) {
+        float ak[4], aq[4];
+        a_fragment(ak, ks, LK, gr, k0, tq);
+        a_fragment(aq, qs, LQ, gr, k0, tq);
+        u32 akh[4], akl[4], aqh[4], aql[4];
+        split<SPLIT, 4>(akh, akl, ak);
+        split<SPLIT, 4>(aqh, aql, aq);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int col = 8 * (warp / 4 + 2 * j) + gq;
+            const float b[2] = {ks[col * LK + k0 + tq], ks[col * LK + k0 + tq + 4]};
+            u32 bh[2], bl[2];
+            split<SPLIT, 2>(bh, bl, b);
+            mma_split<SPLIT>(acc_k[j], akh, akl, bh, bl);
+            mma_split<SPLIT>(acc_q[j], aqh, aql, bh, bl);
+        }
+    }
+}
+
 // out = T (diag(f) x) for phase 1's W (x: k rows, f: beta e^c; stored as the tf32 value the walk
 // multiplies with SPLIT 1) and U (x: v rows, f: beta): [C, N] row-major. th, tl: T's `split` pairs
 // (row stride C + 4); x row stride LX. Warp w makes the 4 m-tiles of n-tiles w + 8 j: each B element
@@ -303,53 +330,56 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
     const int br = tid / 16, bc = tid % 16;  // place in a 16 x 16 block
     const size_t row_len = (size_t)key_heads * KD;
 
-    // k and q rows of the sub-chunk (zeros past n)
-    for (int e = tid; e < C * (KD / 4); e += THREADS) {
-        const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
-        const bool live = i < n;
-        const size_t at = (size_t)(lo + i) * row_len + (size_t)kh * KD + c4;
-        copy16(ks + i * L::LK + c4, live ? k + at : k, live);
-        copy16(qs + i * L::LQ + c4, live ? q + at : q, live);
+    // k and q rows of the sub-chunk (zeros past n): thread tid copies the 16 bytes at column kc of
+    // rows kr + KR r (fixed slots: a pointer step a copy where a loop over e = tid, tid + THREADS, ...
+    // redid the row arithmetic)
+    constexpr int KR = THREADS / (KD / 4), VR = THREADS / (VD / 4);  // rows one pass of copies covers
+    const int kr = tid / (KD / 4), kc = 4 * (tid % (KD / 4));
+    {
+        const size_t at = (size_t)(lo + kr) * row_len + (size_t)kh * KD + kc;
+#pragma unroll
+        for (int r = 0; r < C; r += KR) {
+            if (KR <= C || kr < C) {
+                const bool live = kr + r < n;
+                copy16(ks + (kr + r) * L::LK + kc, live ? k + at + r * row_len : k, live);
+                copy16(qs + (kr + r) * L::LQ + kc, live ? q + at + r * row_len : q, live);
+            }
+        }
     }
     commit();
     wait_groups<0>();
     __syncthreads();
 
-    // Gram matrices k k^T and q k^T, kept in registers: warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
+    // Gram matrices k k^T and q k^T, kept in registers: warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j.
+    // A tile right of the diagonal's 16-row block (j > w % 4) is all zeros in A and M: its products
+    // are not made (one straight-line loop for each m-tile)
     const int gr = 16 * (warp % 4) + gq;
     float acc_k[C / 16][4], acc_q[C / 16][4];
 #pragma unroll
     for (int j = 0; j < C / 16; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_k[j][e] = acc_q[j][e] = 0.f;
-#pragma unroll 2
-    for (int k0 = 0; k0 < KD; k0 += 8) {
-        float ak[4], aq[4];
-        a_fragment(ak, ks, L::LK, gr, k0, tq);
-        a_fragment(aq, qs, L::LQ, gr, k0, tq);
-        u32 akh[4], akl[4], aqh[4], aql[4];
-        split<SPLIT, 4>(akh, akl, ak);
-        split<SPLIT, 4>(aqh, aql, aq);
-#pragma unroll
-        for (int j = 0; j < C / 16; ++j) {
-            const int col = 8 * (warp / 4 + 2 * j) + gq;
-            const float b[2] = {ks[col * L::LK + k0 + tq], ks[col * L::LK + k0 + tq + 4]};
-            u32 bh[2], bl[2];
-            split<SPLIT, 2>(bh, bl, b);
-            mma_split<SPLIT>(acc_k[j], akh, akl, bh, bl);
-            mma_split<SPLIT>(acc_q[j], aqh, aql, bh, bl);
-        }
+    switch (warp % 4) {
+        case 0: gram<KD, L::LK, L::LQ, SPLIT, 1>(acc_k, acc_q, ks, qs, gr, warp, gq, tq); break;
+        case 1: gram<KD, L::LK, L::LQ, SPLIT, 2>(acc_k, acc_q, ks, qs, gr, warp, gq, tq); break;
+        case 2: gram<KD, L::LK, L::LQ, SPLIT, 3>(acc_k, acc_q, ks, qs, gr, warp, gq, tq); break;
+        default: gram<KD, L::LK, L::LQ, SPLIT, 4>(acc_k, acc_q, ks, qs, gr, warp, gq, tq);
     }
 
     for (int vi = 0; vi < per_block; ++vi) {
         const int hv = vh0 + vi;
         __syncthreads();  // q rows read; the previous head's buffers free
         // v rows into the q buffer (zeros past n), landing while A and T are made
-        for (int e = tid; e < C * (VD / 4); e += THREADS) {
-            const int i = e / (VD / 4), c4 = (e % (VD / 4)) * 4;
-            const bool live = i < n;
-            const float* src = mixed + (size_t)(lo + i) * channels + v0 + (size_t)hv * VD + c4;
-            copy16(qs + i * L::LQ + c4, live ? src : mixed, live);
+        {
+            const int vr = tid / (VD / 4), vc = 4 * (tid % (VD / 4));
+            const float* v = mixed + (size_t)(lo + vr) * channels + v0 + (size_t)hv * VD + vc;
+#pragma unroll
+            for (int r = 0; r < C; r += VR) {
+                if (VR <= C || vr < C) {
+                    const bool live = vr + r < n;
+                    copy16(qs + (vr + r) * L::LQ + vc, live ? v + (size_t)r * channels : mixed, live);
+                }
+            }
         }
         commit();
         if (tid < C) {
@@ -387,7 +417,8 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
 #pragma unroll
         for (int j = 0; j < C / 16; ++j) {
             const int col = 8 * (warp / 4 + 2 * j) + 2 * tq;
-            float mv[4];
+            float mv[4] = {0.f, 0.f, 0.f, 0.f};
+            if (j <= warp % 4)  // else M's zeros (A's entries there are never read)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = gr + 8 * (e / 2), jj = col + e % 2;
