@@ -195,6 +195,7 @@ struct PrepareSmem {
     static constexpr int T = A + C * LC;
     static constexpr int VEC = T + C * LC;                 // c, beta, beta e^c
     static constexpr int FLOATS = VEC + 3 * C;
+    static_assert(C * LK <= VEC - A, "tf32(k - tf32(k)) before the first head fits the A and T buffers");
 };
 
 // The Gram fragments of phase 1: acc_k[j] += k k^T and acc_q[j] += q k^T over the key dim in order, at
@@ -202,22 +203,31 @@ struct PrepareSmem {
 // 16-row block's right edge; the others stay zeros). Each k-step splits the k and q fragments once and
 // each k column once, for both products.
 template <int KD, int LK, int LQ, int SPLIT, int NJ>
-__device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C / 16][4], const float* ks,
-                                     const float* qs, int gr, int warp, int gq, int tq) {
+__device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C / 16][4], const float* kh,
+                                     const float* kl, const float* qs, int gr, int warp, int gq, int tq) {
 #pragma unroll 2
     for (int k0 = 0; k0 < KD; k0 += 8) {
-        float ak[4], aq[4];
-        a_fragment(ak, ks, LK, gr, k0, tq);
+        float ak[4], al[4], aq[4];
+        a_fragment(ak, kh, LK, gr, k0, tq);
+        if (SPLIT == 3) a_fragment(al, kl, LK, gr, k0, tq);
         a_fragment(aq, qs, LQ, gr, k0, tq);
         u32 akh[4], akl[4], aqh[4], aql[4];
-        split<SPLIT, 4>(akh, akl, ak);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            akh[e] = __float_as_uint(ak[e]);
+            if (SPLIT == 3) akl[e] = __float_as_uint(al[e]);
+        }
         split<SPLIT, 4>(aqh, aql, aq);
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int col = 8 * (warp / 4 + 2 * j) + gq;
-            const float b[2] = {ks[col * LK + k0 + tq], ks[col * LK + k0 + tq + 4]};
             u32 bh[2], bl[2];
-            split<SPLIT, 2>(bh, bl, b);
+            bh[0] = __float_as_uint(kh[col * LK + k0 + tq]);
+            bh[1] = __float_as_uint(kh[col * LK + k0 + tq + 4]);
+            if (SPLIT == 3) {
+                bl[0] = __float_as_uint(kl[col * LK + k0 + tq]);
+                bl[1] = __float_as_uint(kl[col * LK + k0 + tq + 4]);
+            }
             mma_split<SPLIT>(acc_k[j], akh, akl, bh, bl);
             mma_split<SPLIT>(acc_q[j], aqh, aql, bh, bl);
         }
@@ -315,6 +325,7 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
     float* qs = smem + L::Q;
     float* as = smem + L::A;
     float* ts = smem + L::T;
+    float* kl = smem + L::A;  // until the first head: tf32(k - tf32(k)), row stride LK (A and T hold C LK floats)
     float* cs = smem + L::VEC;
     float* bs = cs + C;
     float* sc = bs + C;
@@ -335,19 +346,38 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
     // redid the row arithmetic)
     constexpr int KR = THREADS / (KD / 4), VR = THREADS / (VD / 4);  // rows one pass of copies covers
     const int kr = tid / (KD / 4), kc = 4 * (tid % (KD / 4));
-    {
-        const size_t at = (size_t)(lo + kr) * row_len + (size_t)kh * KD + kc;
+    auto copy_k = [&](bool with_q) {
+        const size_t k_at = (size_t)(lo + kr) * row_len + (size_t)kh * KD + kc;
 #pragma unroll
         for (int r = 0; r < C; r += KR) {
             if (KR <= C || kr < C) {
                 const bool live = kr + r < n;
-                copy16(ks + (kr + r) * L::LK + kc, live ? k + at + r * row_len : k, live);
-                copy16(qs + (kr + r) * L::LQ + kc, live ? q + at + r * row_len : q, live);
+                copy16(ks + (kr + r) * L::LK + kc, live ? k + k_at + r * row_len : k, live);
+                if (with_q) copy16(qs + (kr + r) * L::LQ + kc, live ? q + k_at + r * row_len : q, live);
             }
         }
-    }
+    };
+    copy_k(true);
     commit();
     wait_groups<0>();
+    // k as the pairs `split` makes, for the Gram products: tf32(k) in place, tf32(k - tf32(k)) in the
+    // A and T buffers (free until the first head). Each thread converts the 16 bytes it copied.
+    // W multiplies k itself, so the first head copies it again.
+#pragma unroll
+    for (int r = 0; r < C; r += KR) {
+        if (KR <= C || kr < C) {
+            float* at = ks + (kr + r) * L::LK + kc;
+            const float4 x4 = *reinterpret_cast<const float4*>(at);
+            const float x[4] = {x4.x, x4.y, x4.z, x4.w};
+            u32 h[4], l[4];
+            split<SPLIT, 4>(h, l, x);
+            *reinterpret_cast<float4*>(at) =
+                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]), __uint_as_float(h[3]));
+            if (SPLIT == 3)
+                *reinterpret_cast<float4*>(kl + (kr + r) * L::LK + kc) = make_float4(
+                    __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
+        }
+    }
     __syncthreads();
 
     // Gram matrices k k^T and q k^T, kept in registers: warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j.
@@ -360,10 +390,10 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_k[j][e] = acc_q[j][e] = 0.f;
     switch (warp % 4) {
-        case 0: gram<KD, L::LK, L::LQ, SPLIT, 1>(acc_k, acc_q, ks, qs, gr, warp, gq, tq); break;
-        case 1: gram<KD, L::LK, L::LQ, SPLIT, 2>(acc_k, acc_q, ks, qs, gr, warp, gq, tq); break;
-        case 2: gram<KD, L::LK, L::LQ, SPLIT, 3>(acc_k, acc_q, ks, qs, gr, warp, gq, tq); break;
-        default: gram<KD, L::LK, L::LQ, SPLIT, 4>(acc_k, acc_q, ks, qs, gr, warp, gq, tq);
+        case 0: gram<KD, L::LK, L::LQ, SPLIT, 1>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq); break;
+        case 1: gram<KD, L::LK, L::LQ, SPLIT, 2>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq); break;
+        case 2: gram<KD, L::LK, L::LQ, SPLIT, 3>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq); break;
+        default: gram<KD, L::LK, L::LQ, SPLIT, 4>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq);
     }
 
     for (int vi = 0; vi < per_block; ++vi) {
@@ -381,15 +411,12 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
                 }
             }
         }
+        if (vi == 0) copy_k(false);  // k itself again, for W
         commit();
-        if (tid < C) {
-            const bool live = tid < n;
-            cs[tid] = live ? g[(size_t)(lo + tid) * value_heads + hv] : 0.f;
-            bs[tid] = live ? beta[(size_t)(lo + tid) * value_heads + hv] : 0.f;
-        }
-        __syncthreads();
         if (warp == 0) {  // c = inclusive cumsum of g: pairs per lane, then a shuffle scan over lanes
-            const float x0 = cs[2 * lane], x1 = cs[2 * lane + 1];
+            const bool live0 = 2 * lane < n, live1 = 2 * lane + 1 < n;
+            const float x0 = live0 ? g[(size_t)(lo + 2 * lane) * value_heads + hv] : 0.f;
+            const float x1 = live1 ? g[(size_t)(lo + 2 * lane + 1) * value_heads + hv] : 0.f;
             float incl = __fadd_rn(x0, x1);
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
@@ -400,6 +427,8 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             if (lane == 0) excl = 0.f;
             cs[2 * lane] = __fadd_rn(excl, x0);
             cs[2 * lane + 1] = __fadd_rn(__fadd_rn(excl, x0), x1);
+        } else if (warp == 1) {
+            for (int i = lane; i < C; i += 32) bs[i] = i < n ? beta[(size_t)(lo + i) * value_heads + hv] : 0.f;
         }
         __syncthreads();
         const float c_last = cs[n - 1];
