@@ -255,6 +255,8 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
     // this thread's element of each fragment at k-step 0: a k-step adds immediates
     const float* ah0 = th + gq * LC + tq;
     const float* al0 = tl + gq * LC + tq;
+    const float* xb = x + tq * LX + 8 * warp + gq;  // B: row 8 kt + tq, column 8 (warp + 8 jn) + gq
+    const float* fb = f + tq;
 #pragma unroll 2
     for (int kt = 0; kt < C / 8; ++kt) {
         u32 ah[C / 16][4], al[C / 16][4];
@@ -272,12 +274,12 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
                 al[mt][3] = __float_as_uint(al0[at + 8 * LC + 4]);
             }
         }
-        const float f0 = f[8 * kt + tq], f1 = f[8 * kt + tq + 4];
+        const float f0 = fb[8 * kt], f1 = fb[8 * kt + 4];
 #pragma unroll
         for (int jn = 0; jn < NJ; ++jn) {
             const int nt = warp + 8 * jn;
             if (nt < N / 8) {
-                const float* xk = x + (8 * kt + tq) * LX + 8 * nt + gq;
+                const float* xk = xb + 8 * kt * LX + 64 * jn;
                 const float b[2] = {__fmul_rn(xk[0], f0), __fmul_rn(xk[4 * LX], f1)};
                 u32 bh[2], bl[2];
                 split<SPLIT, 2>(bh, bl, b);
@@ -443,16 +445,21 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
         // A = strict_lower(beta_i (k_i . k_j) e^(c_i - c_j)) into shared memory and
         // M = lower_incl((q_i . k_j) e^(c_i - c_j)) to scratch, from the Gram fragments
         float* m = m_out + ((size_t)s * value_heads + hv) * C * C;
+        const int col0 = 8 * (warp / 4) + 2 * tq;  // this thread's first column at j = 0
+        float* a0 = as + gr * L::LC + col0;         // (shared-memory offsets from bases: immediates)
+        const float* cj0 = cs + col0;
 #pragma unroll
         for (int j = 0; j < C / 16; ++j) {
-            const int col = 8 * (warp / 4 + 2 * j) + 2 * tq;
+            const int col = col0 + 16 * j;
             float mv[4] = {0.f, 0.f, 0.f, 0.f};
             if (j <= warp % 4)  // else M's zeros (A's entries there are never read)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = gr + 8 * (e / 2), jj = col + e % 2;
-                const float decay = jj <= i ? expf(__fsub_rn(cs[i], cs[jj])) : 0.f;
-                as[i * L::LC + jj] = jj < i ? __fmul_rn(__fmul_rn(bs[i], acc_k[j][e]), decay) : 0.f;
+                const float ex = expf(__fsub_rn(cs[i], cj0[16 * j + e % 2]));  // made for all (no branch)
+                const float decay = jj <= i ? ex : 0.f;
+                a0[8 * (e / 2) * L::LC + 16 * j + e % 2] =
+                    jj < i ? __fmul_rn(__fmul_rn(bs[i], acc_k[j][e]), decay) : 0.f;
                 mv[e] = operand<SPLIT>(jj <= i ? __fmul_rn(acc_q[j][e], decay) : 0.f);
             }
             *reinterpret_cast<float2*>(m + gr * C + col) = make_float2(mv[0], mv[1]);
@@ -462,21 +469,23 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
 #pragma unroll
         for (int bi = 0; bi < 3; ++bi)
 #pragma unroll
-            for (int bj = bi + 1; bj < 4; ++bj) ts[(16 * bi + br) * L::LC + 16 * bj + bc] = 0.f;
+            for (int bj = bi + 1; bj < 4; ++bj) ts[br * L::LC + bc + 16 * bi * L::LC + 16 * bj] = 0.f;
         __syncthreads();
 
         // T = (I + A)^-1. Diagonal 16 x 16 blocks: one column per thread, forward substitution
         // (entries above the diagonal are zeros, so the sum may start at 0).
         if (tid < C) {
             const int base = 16 * (tid / 16), col = tid % 16;
+            const float* ad = as + base * (L::LC + 1);
+            float* td = ts + base * (L::LC + 1) + col;
             float tc[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
                 float acc = 0.f;
 #pragma unroll
-                for (int mm = 0; mm < i; ++mm) acc = __fmaf_rn(as[(base + i) * L::LC + base + mm], tc[mm], acc);
+                for (int mm = 0; mm < i; ++mm) acc = __fmaf_rn(ad[i * L::LC + mm], tc[mm], acc);
                 tc[i] = i < col ? 0.f : (i == col ? 1.f : -acc);
-                ts[(base + i) * L::LC + base + col] = tc[i];
+                td[i * L::LC] = tc[i];
             }
         }
         __syncthreads();
@@ -484,39 +493,46 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
         // then the block's columns, in order), then T_{bi,bj} = -T_{bi,bi} X_{bi,bj}. Thread (br, bc)
         // makes element (br, bc) of every block of the row: a row of A (or T) it reads, 16 floats a
         // block, serves every bj. X goes to A's block (bj, bi) above the diagonal, which nothing reads.
+        {
+            const float* arow = as + br * L::LC;  // bases: every offset below is an immediate
+            const float* tcol = ts + bc;
+            float* xo = as + br * L::LC + bc;
+            float* to = ts + br * L::LC + bc;
 #pragma unroll
-        for (int bi = 1; bi < 4; ++bi) {
-            float x[3] = {0.f, 0.f, 0.f};
+            for (int bi = 1; bi < 4; ++bi) {
+                float x[3] = {0.f, 0.f, 0.f};
 #pragma unroll
-            for (int bk = 0; bk < bi; ++bk) {
-                float a[16];
+                for (int bk = 0; bk < bi; ++bk) {
+                    float a[16];
+#pragma unroll
+                    for (int mm = 0; mm < 16; mm += 4)
+                        *reinterpret_cast<float4*>(a + mm) =
+                            *reinterpret_cast<const float4*>(arow + 16 * bi * L::LC + 16 * bk + mm);
+#pragma unroll
+                    for (int bj = 0; bj <= bk; ++bj)
+#pragma unroll
+                        for (int mm = 0; mm < 16; ++mm)
+                            x[bj] = __fmaf_rn(a[mm], tcol[(16 * bk + mm) * L::LC + 16 * bj], x[bj]);
+                }
+#pragma unroll
+                for (int bj = 0; bj < bi; ++bj) xo[16 * bj * L::LC + 16 * bi] = x[bj];
+                __syncthreads();
+                float t[16];
 #pragma unroll
                 for (int mm = 0; mm < 16; mm += 4)
-                    *reinterpret_cast<float4*>(a + mm) =
-                        *reinterpret_cast<const float4*>(as + (16 * bi + br) * L::LC + 16 * bk + mm);
+                    *reinterpret_cast<float4*>(t + mm) =
+                        *reinterpret_cast<const float4*>(ts + br * L::LC + 16 * bi * L::LC + 16 * bi + mm);
 #pragma unroll
-                for (int bj = 0; bj <= bk; ++bj)
+                for (int bj = 0; bj < bi; ++bj) {
+                    float acc = 0.f;
 #pragma unroll
                     for (int mm = 0; mm < 16; ++mm)
-                        x[bj] = __fmaf_rn(a[mm], ts[(16 * bk + mm) * L::LC + 16 * bj + bc], x[bj]);
+                        acc = __fmaf_rn(t[mm], as[bc + (16 * bj + mm) * L::LC + 16 * bi], acc);
+                    to[16 * bi * L::LC + 16 * bj] = -acc;
+                }
+                if (bi == 3) wait_groups<0>();  // this thread's k (first head) and v rows are in
+                __syncthreads();
             }
-#pragma unroll
-            for (int bj = 0; bj < bi; ++bj) as[(16 * bj + br) * L::LC + 16 * bi + bc] = x[bj];
-            __syncthreads();
-            float t[16];
-#pragma unroll
-            for (int mm = 0; mm < 16; mm += 4)
-                *reinterpret_cast<float4*>(t + mm) =
-                    *reinterpret_cast<const float4*>(ts + (16 * bi + br) * L::LC + 16 * bi + mm);
-#pragma unroll
-            for (int bj = 0; bj < bi; ++bj) {
-                float acc = 0.f;
-#pragma unroll
-                for (int mm = 0; mm < 16; ++mm) acc = __fmaf_rn(t[mm], as[(16 * bj + mm) * L::LC + 16 * bi + bc], acc);
-                ts[(16 * bi + br) * L::LC + 16 * bj + bc] = -acc;
-            }
-            if (bi == 3) wait_groups<0>();  // this thread's v rows are in
-            __syncthreads();
         }
 
         // T as the pairs `split` makes (tf32(T) in place; SPLIT 3: tf32(T - tf32(T)) in A's buffer,
