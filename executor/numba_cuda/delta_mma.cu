@@ -175,6 +175,17 @@ __device__ __forceinline__ void copy16(float* dst, const float* src, bool live) 
                  "r"(live ? 16 : 0));
 }
 
+// ldmatrix.m8n8 (.b16) of 32-bit elements: each 8 x 8 b16 matrix is 8 rows of 4 floats, and lane l
+// receives float l % 4 of row l / 4: an A fragment's 8 x 4 quarter or a B fragment's half. Lane l
+// gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); register i gets
+// matrix i. The x4 loads an A fragment (rows r.., r+8.., columns k0.., k0+4..) in one instruction
+// where `a_fragment` issues four loads.
+__device__ __forceinline__ void ldsm_x4(u32* r, const float* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((u32)__cvta_generic_to_shared(row)));
+}
+
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::); }
 
 template <int N>
@@ -205,28 +216,39 @@ struct PrepareSmem {
 template <int KD, int LK, int LQ, int SPLIT, int NJ>
 __device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C / 16][4], const float* kh,
                                      const float* kl, const float* qs, int gr, int warp, int gq, int tq) {
+    // the rows this lane gives ldsm_x4: an A fragment at rows gr - gq.. and, with SPLIT 3, the B
+    // fragment's (tf32(k), tf32(k - tf32(k))) pair at n-tile warp / 4 (matrices: hi k0.., hi k0+4..,
+    // lo k0.., lo k0+4..), both at k-step 0 (the others: immediates)
+    const int lane = 4 * gq + tq;
+    const int arow = (lane & 7) + 8 * ((lane >> 3) & 1);
+    const float* akh0 = kh + (gr - gq + arow) * LK + 4 * (lane >> 4);
+    const float* akl0 = kl + (gr - gq + arow) * LK + 4 * (lane >> 4);
+    const float* aq0 = qs + (gr - gq + arow) * LQ + 4 * (lane >> 4);
+    const float* b0 = (lane >> 4 ? kl : kh) + (8 * (warp / 4) + (lane & 7)) * LK + 4 * ((lane >> 3) & 1);
 #pragma unroll 2
     for (int k0 = 0; k0 < KD; k0 += 8) {
-        float ak[4], al[4], aq[4];
-        a_fragment(ak, kh, LK, gr, k0, tq);
-        if (SPLIT == 3) a_fragment(al, kl, LK, gr, k0, tq);
-        a_fragment(aq, qs, LQ, gr, k0, tq);
-        u32 akh[4], akl[4], aqh[4], aql[4];
+        u32 akh[4], akl[4], aqh[4], aql[4], aq[4];
+        ldsm_x4(akh, akh0 + k0);
+        if (SPLIT == 3) ldsm_x4(akl, akl0 + k0);
+        ldsm_x4(aq, aq0 + k0);
+        float aqf[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            akh[e] = __float_as_uint(ak[e]);
-            if (SPLIT == 3) akl[e] = __float_as_uint(al[e]);
-        }
-        split<SPLIT, 4>(aqh, aql, aq);
+        for (int e = 0; e < 4; ++e) aqf[e] = __uint_as_float(aq[e]);
+        split<SPLIT, 4>(aqh, aql, aqf);
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int col = 8 * (warp / 4 + 2 * j) + gq;
             u32 bh[2], bl[2];
-            bh[0] = __float_as_uint(kh[col * LK + k0 + tq]);
-            bh[1] = __float_as_uint(kh[col * LK + k0 + tq + 4]);
             if (SPLIT == 3) {
-                bl[0] = __float_as_uint(kl[col * LK + k0 + tq]);
-                bl[1] = __float_as_uint(kl[col * LK + k0 + tq + 4]);
+                u32 b[4];
+                ldsm_x4(b, b0 + 16 * j * LK + k0);
+                bh[0] = b[0];
+                bh[1] = b[1];
+                bl[0] = b[2];
+                bl[1] = b[3];
+            } else {
+                bh[0] = __float_as_uint(kh[col * LK + k0 + tq]);
+                bh[1] = __float_as_uint(kh[col * LK + k0 + tq + 4]);
             }
             mma_split<SPLIT>(acc_k[j], akh, akl, bh, bl);
             mma_split<SPLIT>(acc_q[j], aqh, aql, bh, bl);
@@ -252,9 +274,11 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
         for (int jn = 0; jn < NJ; ++jn)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][jn][e] = 0.f;
-    // this thread's element of each fragment at k-step 0: a k-step adds immediates
-    const float* ah0 = th + gq * LC + tq;
-    const float* al0 = tl + gq * LC + tq;
+    // the row this lane gives ldsm_x4 for an A fragment at m-tile 0, k-step 0 (the others: immediates)
+    const int lane = 4 * gq + tq;
+    const int lrow = ((lane & 7) + 8 * ((lane >> 3) & 1)) * LC + 4 * (lane >> 4);
+    const float* ah0 = th + lrow;
+    const float* al0 = tl + lrow;
     const float* xb = x + tq * LX + 8 * warp + gq;  // B: row 8 kt + tq, column 8 (warp + 8 jn) + gq
     const float* fb = f + tq;
 #pragma unroll 2
@@ -262,17 +286,8 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
         u32 ah[C / 16][4], al[C / 16][4];
 #pragma unroll
         for (int mt = 0; mt < C / 16; ++mt) {
-            const int at = 16 * mt * LC + 8 * kt;
-            ah[mt][0] = __float_as_uint(ah0[at]);
-            ah[mt][1] = __float_as_uint(ah0[at + 8 * LC]);
-            ah[mt][2] = __float_as_uint(ah0[at + 4]);
-            ah[mt][3] = __float_as_uint(ah0[at + 8 * LC + 4]);
-            if (SPLIT == 3) {
-                al[mt][0] = __float_as_uint(al0[at]);
-                al[mt][1] = __float_as_uint(al0[at + 8 * LC]);
-                al[mt][2] = __float_as_uint(al0[at + 4]);
-                al[mt][3] = __float_as_uint(al0[at + 8 * LC + 4]);
-            }
+            ldsm_x4(ah[mt], ah0 + 16 * mt * LC + 8 * kt);
+            if (SPLIT == 3) ldsm_x4(al[mt], al0 + 16 * mt * LC + 8 * kt);
         }
         const float f0 = fb[8 * kt], f1 = fb[8 * kt + 4];
 #pragma unroll
