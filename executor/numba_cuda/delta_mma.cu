@@ -32,7 +32,9 @@
 // product would use anyway), so the inner loops convert only q and k. With SPLIT 3, S and V'
 // are stored as their (tf32(x), tf32(x - tf32(x))) pairs by the warp that owns x, the pair
 // every reader would make: each is read by 4 or 8 warps, which then convert only their A
-// operands (the same products in the same order: the same bits). T comes from a blockwise
+// operands (the same products in the same order: the same bits). Phase 1 does the same with
+// its operands: k and T are stored as their pairs once (`split`, then `mma_split`), and each B
+// element of W and U is converted by the one warp that multiplies it. T comes from a blockwise
 // forward substitution in fp32 on the CUDA cores (16 x 16 diagonal blocks, then block rows in
 // order).
 //
@@ -194,11 +196,13 @@ __device__ __forceinline__ void wait_groups() {
 }
 
 // Shared-memory layout of phase 1 (floats). Strides are 4 mod 32 where rows are read as
-// A fragments (banks 4g + t: conflict-free).
+// A fragments (banks 4g + t; ldmatrix rows 16 bytes at banks 4r..4r+3: conflict-free). Before the
+// first head, the A and T buffers hold tf32(k - tf32(k)) (row stride LK) for the Gram products;
+// after the forward substitution, T holds tf32(T) and A tf32(T - tf32(T)) for W and U.
 template <int KD, int VD>
 struct PrepareSmem {
     static constexpr int LK = KD + 4;                      // k rows
-    static constexpr int LQ = (VD > KD ? VD : KD) + 4;     // q rows, then beta v rows
+    static constexpr int LQ = (VD > KD ? VD : KD) + 4;     // q rows, then v rows
     static constexpr int LC = C + 4;                       // [C, C] matrices
     static constexpr int K = 0;
     static constexpr int Q = K + C * LK;
@@ -211,8 +215,9 @@ struct PrepareSmem {
 
 // The Gram fragments of phase 1: acc_k[j] += k k^T and acc_q[j] += q k^T over the key dim in order, at
 // rows gr, gr + 8 and the columns of n-tile warp / 4 + 2 j, for j < NJ (the tiles left of the warp's
-// 16-row block's right edge; the others stay zeros). Each k-step splits the k and q fragments once and
-// each k column once, for both products.
+// 16-row block's right edge; the others stay zeros). k comes split (kh: tf32(k), kl: tf32(k - tf32(k)),
+// row stride LK); a k-step splits the warp's q fragment once for all its tiles, and each k pair serves
+// both products.
 template <int KD, int LK, int LQ, int SPLIT, int NJ>
 __device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C / 16][4], const float* kh,
                                      const float* kl, const float* qs, int gr, int warp, int gq, int tq) {
@@ -321,14 +326,20 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
 }
 
 // Phase 1: one CTA of 8 warps per (sub-chunk, `per_block` value heads of one key head).
-// Thread tid's place in a 16 x 16 block: row tid / 16, column tid % 16 (the forward substitution's
-// block rows). Each product splits its operands once (`split`) and multiplies the pairs as often
-// as they are used (`mma_split`): the Gram loop's k fragment for k k^T and q k^T, T's fragments
-// for every n-tile of W and U (k-steps outer, a warp's n-tiles inner). v rows are copied raw
-// (cp.async, issued when a head starts) and multiplied by beta as U reads them: the same product
-// __fmul_rn(v, beta) the stored beta v was. The same operations in the same order as one mma<SPLIT>
-// an n-tile and k-step (and as the store of beta v rows): the same bits (session 37: 128 ->
-// NEWREGS registers without spills, ~14K -> NEWINS SASS instructions a warp for two value heads).
+// Every operand is split into its tf32 pair once and the pairs are multiplied as often as they are
+// used (`split`, `mma_split`): k once per CTA (before the Gram products, its low parts in the A and T
+// buffers; k itself is copied again for W), T once per head (hi in place, lo in A's buffer), q's
+// fragments once per k-step for all the warp's tiles, and each B element of W and U (beta e^c k,
+// beta v) by the one warp that multiplies it (W and U: warp w makes all 4 m-tiles of n-tiles
+// w + 8 j). v rows are copied raw (cp.async, issued when a head starts, landing while A and T are
+// made) and multiplied by beta as U reads them: the product __fmul_rn(v, beta) the stored beta v
+// was. Tiles right of a warp's diagonal 16-row block are zeros in A and M: their Gram products
+// are not made (nothing reads them). A fragments load by ldmatrix. Every output element keeps its
+// operations and order (each k-step one mma<SPLIT> of the same operands; the same fma chains,
+// expf, fmul): the same bits. Thread tid's place in a 16 x 16 block (the forward substitution's
+// block rows): row tid / 16, column tid % 16. Session 37 (NVRTC 13.0 sm_90, prepare<128, 128, 3>
+// at launch bounds (256, 2)): 64 -> 20 spill bytes a thread (3 spill loads a head, from 90 a
+// warp a CTA), ~14,300 -> ~9,400 SASS instructions a warp a CTA of two value heads (warp 0).
 template <int KD, int VD, int SPLIT>
 __device__ __forceinline__ void prepare(const float* q, const float* k, const float* mixed, const float* g,
                                         const float* beta, float* w_out, float* u_out, float* m_out, float* dv_out,
