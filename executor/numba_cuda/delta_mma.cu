@@ -286,7 +286,7 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
     const float* al0 = tl + lrow;
     const float* xb = x + tq * LX + 8 * warp + gq;  // B: row 8 kt + tq, column 8 (warp + 8 jn) + gq
     const float* fb = f + tq;
-#pragma unroll 2
+#pragma unroll 4  // 2 spills 20 bytes a thread (prepare<128, 128, 3>, 128 registers)
     for (int kt = 0; kt < C / 8; ++kt) {
         u32 ah[C / 16][4], al[C / 16][4];
 #pragma unroll
@@ -338,8 +338,8 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
 // operations and order (each k-step one mma<SPLIT> of the same operands; the same fma chains,
 // expf, fmul): the same bits. Thread tid's place in a 16 x 16 block (the forward substitution's
 // block rows): row tid / 16, column tid % 16. Session 37 (NVRTC 13.0 sm_90, prepare<128, 128, 3>
-// at launch bounds (256, 2)): 64 -> 20 spill bytes a thread (3 spill loads a head, from 90 a
-// warp a CTA), ~14,300 -> ~9,400 SASS instructions a warp a CTA of two value heads (warp 0).
+// at launch bounds (256, 2)): 128 registers, 64 -> 0 spill bytes a thread, ~14,300 -> ~9,300 SASS
+// instructions a warp a CTA of two value heads (warp 0's path; the same 103 KB of shared memory).
 template <int KD, int VD, int SPLIT>
 __device__ __forceinline__ void prepare(const float* q, const float* k, const float* mixed, const float* g,
                                         const float* beta, float* w_out, float* u_out, float* m_out, float* dv_out,
