@@ -268,8 +268,8 @@ __device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C
 // k-steps in order, each one mma<SPLIT> of the same operands: the same bits as converting both
 // operands at every product.
 template <int N, int LX, int SPLIT, bool ROUND>
-__device__ __forceinline__ void product_t(float* out, const float* th, const float* tl, const float* x, const float* f,
-                                          int warp, int gq, int tq) {
+__device__ __forceinline__ void product_t(float* out, const float* th, const float* tl, const float* x,
+                                          const float* f, int warp, int gq, int tq) {
     constexpr int LC = C + 4;
     constexpr int NJ = (N / 8 + 7) / 8;  // n-tiles a warp makes (at most)
     float acc[C / 16][NJ][4];
@@ -400,7 +400,8 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             u32 h[4], l[4];
             split<SPLIT, 4>(h, l, x);
             *reinterpret_cast<float4*>(at) =
-                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]), __uint_as_float(h[3]));
+                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]),
+                            __uint_as_float(h[3]));
             if (SPLIT == 3)
                 *reinterpret_cast<float4*>(kl + (kr + r) * L::LK + kc) = make_float4(
                     __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
@@ -570,7 +571,8 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             u32 h[4], l[4];
             split<SPLIT, 4>(h, l, x);
             *reinterpret_cast<float4*>(ts + i * L::LC + c4) =
-                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]), __uint_as_float(h[3]));
+                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]),
+                            __uint_as_float(h[3]));
             if (SPLIT == 3)
                 *reinterpret_cast<float4*>(as + i * L::LC + c4) = make_float4(
                     __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
@@ -579,9 +581,9 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
 
         // W = T (beta e^c k) and U = T (beta v): warp w makes all 4 m-tiles of n-tiles w + 8 j, so
         // each B element is converted once
-        product_t<KD, L::LK, SPLIT, true>(w_out + ((size_t)s * value_heads + hv) * C * KD, ts, as, ks, sc, warp, gq, tq);
-        product_t<VD, L::LQ, SPLIT, false>(u_out + ((size_t)s * value_heads + hv) * C * VD, ts, as, qs, bs, warp, gq,
-                                           tq);
+        const size_t head = (size_t)s * value_heads + hv;
+        product_t<KD, L::LK, SPLIT, true>(w_out + head * C * KD, ts, as, ks, sc, warp, gq, tq);
+        product_t<VD, L::LQ, SPLIT, false>(u_out + head * C * VD, ts, as, qs, bs, warp, gq, tq);
     }
 }
 
