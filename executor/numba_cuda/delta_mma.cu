@@ -32,7 +32,9 @@
 // product would use anyway), so the inner loops convert only q and k. With SPLIT 3, S and V'
 // are stored as their (tf32(x), tf32(x - tf32(x))) pairs by the warp that owns x, the pair
 // every reader would make: each is read by 4 or 8 warps, which then convert only their A
-// operands (the same products in the same order: the same bits). T comes from a blockwise
+// operands (the same products in the same order: the same bits). Phase 1 does the same with
+// its operands: k and T are stored as their pairs once (`split`, then `mma_split`), and each B
+// element of W and U is converted by the one warp that multiplies it. T comes from a blockwise
 // forward substitution in fp32 on the CUDA cores (16 x 16 diagonal blocks, then block rows in
 // order).
 //
@@ -125,6 +127,29 @@ __device__ __forceinline__ void split_store(float* hi, float* lo, float x) {
     if (SPLIT == 3) lo[0] = __uint_as_float(tf32(__fsub_rn(x, __uint_as_float(h))));
 }
 
+// The operand pairs `mma` makes from x[0..N): hi = tf32(x) and, for SPLIT 3, lo = tf32(x - hi).
+// Phase 1 splits each fragment once and multiplies it by several (mma_split): the Gram loop's
+// k fragment serves k k^T and q k^T, and T's fragments every n-tile of W and U.
+template <int SPLIT, int N>
+__device__ __forceinline__ void split(u32* hi, u32* lo, const float* x) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        hi[i] = tf32(x[i]);
+        if (SPLIT == 3) lo[i] = tf32(__fsub_rn(x[i], __uint_as_float(hi[i])));
+    }
+}
+
+// d += a b as mma<SPLIT> does, both operands given as their `split` pairs: the same tf32 products
+// in the same order (big*small, small*big, big*big), so the same bits.
+template <int SPLIT>
+__device__ __forceinline__ void mma_split(float* d, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
+    if (SPLIT == 3) {
+        mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+        mma_tf32(d, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    }
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+}
+
 // x as the value a SPLIT-1 product will use (tf32), or x itself for SPLIT 3 (which splits it).
 template <int SPLIT>
 __device__ __forceinline__ float operand(float x) {
@@ -152,6 +177,17 @@ __device__ __forceinline__ void copy16(float* dst, const float* src, bool live) 
                  "r"(live ? 16 : 0));
 }
 
+// ldmatrix.m8n8 (.b16) of 32-bit elements: each 8 x 8 b16 matrix is 8 rows of 4 floats, and lane l
+// receives float l % 4 of row l / 4: an A fragment's 8 x 4 quarter or a B fragment's half. Lane l
+// gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); register i gets
+// matrix i. The x4 loads an A fragment (rows r.., r+8.., columns k0.., k0+4..) in one instruction
+// where `a_fragment` issues four loads.
+__device__ __forceinline__ void ldsm_x4(u32* r, const float* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((u32)__cvta_generic_to_shared(row)));
+}
+
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::); }
 
 template <int N>
@@ -160,11 +196,13 @@ __device__ __forceinline__ void wait_groups() {
 }
 
 // Shared-memory layout of phase 1 (floats). Strides are 4 mod 32 where rows are read as
-// A fragments (banks 4g + t: conflict-free).
+// A fragments (banks 4g + t; ldmatrix rows 16 bytes at banks 4r..4r+3: conflict-free). Before the
+// first head, the A and T buffers hold tf32(k - tf32(k)) (row stride LK) for the Gram products;
+// after the forward substitution, T holds tf32(T) and A tf32(T - tf32(T)) for W and U.
 template <int KD, int VD>
 struct PrepareSmem {
     static constexpr int LK = KD + 4;                      // k rows
-    static constexpr int LQ = (VD > KD ? VD : KD) + 4;     // q rows, then beta v rows
+    static constexpr int LQ = (VD > KD ? VD : KD) + 4;     // q rows, then v rows
     static constexpr int LC = C + 4;                       // [C, C] matrices
     static constexpr int K = 0;
     static constexpr int Q = K + C * LK;
@@ -172,9 +210,136 @@ struct PrepareSmem {
     static constexpr int T = A + C * LC;
     static constexpr int VEC = T + C * LC;                 // c, beta, beta e^c
     static constexpr int FLOATS = VEC + 3 * C;
+    static_assert(C * LK <= VEC - A, "tf32(k - tf32(k)) before the first head fits the A and T buffers");
 };
 
+// The Gram fragments of phase 1: acc_k[j] += k k^T and acc_q[j] += q k^T over the key dim in order, at
+// rows gr, gr + 8 and the columns of n-tile warp / 4 + 2 j, for j < NJ (the tiles left of the warp's
+// 16-row block's right edge; the others stay zeros). k comes split (kh: tf32(k), kl: tf32(k - tf32(k)),
+// row stride LK); a k-step splits the warp's q fragment once for all its tiles, and each k pair serves
+// both products.
+template <int KD, int LK, int LQ, int SPLIT, int NJ>
+__device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C / 16][4], const float* kh,
+                                     const float* kl, const float* qs, int gr, int warp, int gq, int tq) {
+    // the rows this lane gives ldsm_x4: an A fragment at rows gr - gq.. and, with SPLIT 3, the B
+    // fragment's (tf32(k), tf32(k - tf32(k))) pair at n-tile warp / 4 (matrices: hi k0.., hi k0+4..,
+    // lo k0.., lo k0+4..), both at k-step 0 (the others: immediates)
+    const int lane = 4 * gq + tq;
+    const int arow = (lane & 7) + 8 * ((lane >> 3) & 1);
+    const float* akh0 = kh + (gr - gq + arow) * LK + 4 * (lane >> 4);
+    const float* akl0 = kl + (gr - gq + arow) * LK + 4 * (lane >> 4);
+    const float* aq0 = qs + (gr - gq + arow) * LQ + 4 * (lane >> 4);
+    const float* b0 = (lane >> 4 ? kl : kh) + (8 * (warp / 4) + (lane & 7)) * LK + 4 * ((lane >> 3) & 1);
+#pragma unroll 2
+    for (int k0 = 0; k0 < KD; k0 += 8) {
+        u32 akh[4], akl[4], aqh[4], aql[4], aq[4];
+        ldsm_x4(akh, akh0 + k0);
+        if (SPLIT == 3) ldsm_x4(akl, akl0 + k0);
+        ldsm_x4(aq, aq0 + k0);
+        float aqf[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) aqf[e] = __uint_as_float(aq[e]);
+        split<SPLIT, 4>(aqh, aql, aqf);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int col = 8 * (warp / 4 + 2 * j) + gq;
+            u32 bh[2], bl[2];
+            if (SPLIT == 3) {
+                u32 b[4];
+                ldsm_x4(b, b0 + 16 * j * LK + k0);
+                bh[0] = b[0];
+                bh[1] = b[1];
+                bl[0] = b[2];
+                bl[1] = b[3];
+            } else {
+                bh[0] = __float_as_uint(kh[col * LK + k0 + tq]);
+                bh[1] = __float_as_uint(kh[col * LK + k0 + tq + 4]);
+            }
+            mma_split<SPLIT>(acc_k[j], akh, akl, bh, bl);
+            mma_split<SPLIT>(acc_q[j], aqh, aql, bh, bl);
+        }
+    }
+}
+
+// out = T (diag(f) x) for phase 1's W (x: k rows, f: beta e^c; stored as the tf32 value the walk
+// multiplies with SPLIT 1) and U (x: v rows, f: beta): [C, N] row-major. th, tl: T's `split` pairs
+// (row stride C + 4); x row stride LX. Warp w makes the 4 m-tiles of n-tiles w + 8 j: each B element
+// f_j x_jc is made and converted by one warp, the A fragments come split. Per output element the
+// k-steps in order, each one mma<SPLIT> of the same operands: the same bits as converting both
+// operands at every product.
+template <int N, int LX, int SPLIT, bool ROUND>
+__device__ __forceinline__ void product_t(float* out, const float* th, const float* tl, const float* x,
+                                          const float* f, int warp, int gq, int tq) {
+    constexpr int LC = C + 4;
+    constexpr int NJ = (N / 8 + 7) / 8;  // n-tiles a warp makes (at most)
+    float acc[C / 16][NJ][4];
+#pragma unroll
+    for (int mt = 0; mt < C / 16; ++mt)
+#pragma unroll
+        for (int jn = 0; jn < NJ; ++jn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][jn][e] = 0.f;
+    // the row this lane gives ldsm_x4 for an A fragment at m-tile 0, k-step 0 (the others: immediates)
+    const int lane = 4 * gq + tq;
+    const int lrow = ((lane & 7) + 8 * ((lane >> 3) & 1)) * LC + 4 * (lane >> 4);
+    const float* ah0 = th + lrow;
+    const float* al0 = tl + lrow;
+    const float* xb = x + tq * LX + 8 * warp + gq;  // B: row 8 kt + tq, column 8 (warp + 8 jn) + gq
+    const float* fb = f + tq;
+#pragma unroll 4  // 2 spills 20 bytes a thread (prepare<128, 128, 3>, 128 registers)
+    for (int kt = 0; kt < C / 8; ++kt) {
+        u32 ah[C / 16][4], al[C / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < C / 16; ++mt) {
+            ldsm_x4(ah[mt], ah0 + 16 * mt * LC + 8 * kt);
+            if (SPLIT == 3) ldsm_x4(al[mt], al0 + 16 * mt * LC + 8 * kt);
+        }
+        const float f0 = fb[8 * kt], f1 = fb[8 * kt + 4];
+#pragma unroll
+        for (int jn = 0; jn < NJ; ++jn) {
+            const int nt = warp + 8 * jn;
+            if (nt < N / 8) {
+                const float* xk = xb + 8 * kt * LX + 64 * jn;
+                const float b[2] = {__fmul_rn(xk[0], f0), __fmul_rn(xk[4 * LX], f1)};
+                u32 bh[2], bl[2];
+                split<SPLIT, 2>(bh, bl, b);
+#pragma unroll
+                for (int mt = 0; mt < C / 16; ++mt) mma_split<SPLIT>(acc[mt][jn], ah[mt], al[mt], bh, bl);
+            }
+        }
+    }
+#pragma unroll
+    for (int jn = 0; jn < NJ; ++jn) {
+        const int nt = warp + 8 * jn;
+        if (nt < N / 8) {
+#pragma unroll
+            for (int mt = 0; mt < C / 16; ++mt) {
+                const int r = 16 * mt + gq, col = 8 * nt + 2 * tq;
+                const float* d = acc[mt][jn];
+                *reinterpret_cast<float2*>(out + r * N + col) =
+                    ROUND ? make_float2(operand<SPLIT>(d[0]), operand<SPLIT>(d[1])) : make_float2(d[0], d[1]);
+                *reinterpret_cast<float2*>(out + (r + 8) * N + col) =
+                    ROUND ? make_float2(operand<SPLIT>(d[2]), operand<SPLIT>(d[3])) : make_float2(d[2], d[3]);
+            }
+        }
+    }
+}
+
 // Phase 1: one CTA of 8 warps per (sub-chunk, `per_block` value heads of one key head).
+// Every operand is split into its tf32 pair once and the pairs are multiplied as often as they are
+// used (`split`, `mma_split`): k once per CTA (before the Gram products, its low parts in the A and T
+// buffers; k itself is copied again for W), T once per head (hi in place, lo in A's buffer), q's
+// fragments once per k-step for all the warp's tiles, and each B element of W and U (beta e^c k,
+// beta v) by the one warp that multiplies it (W and U: warp w makes all 4 m-tiles of n-tiles
+// w + 8 j). v rows are copied raw (cp.async, issued when a head starts, landing while A and T are
+// made) and multiplied by beta as U reads them: the product __fmul_rn(v, beta) the stored beta v
+// was. Tiles right of a warp's diagonal 16-row block are zeros in A and M: their Gram products
+// are not made (nothing reads them). A fragments load by ldmatrix. Every output element keeps its
+// operations and order (each k-step one mma<SPLIT> of the same operands; the same fma chains,
+// expf, fmul): the same bits. Thread tid's place in a 16 x 16 block (the forward substitution's
+// block rows): row tid / 16, column tid % 16. Session 37 (NVRTC 13.0 sm_90, prepare<128, 128, 3>
+// at launch bounds (256, 2)): 128 registers, 64 -> 0 spill bytes a thread, ~14,300 -> ~9,300 SASS
+// instructions a warp a CTA of two value heads (warp 0's path; the same 103 KB of shared memory).
 template <int KD, int VD, int SPLIT>
 __device__ __forceinline__ void prepare(const float* q, const float* k, const float* mixed, const float* g,
                                         const float* beta, float* w_out, float* u_out, float* m_out, float* dv_out,
@@ -182,11 +347,13 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
                                         int per_block) {
     using L = PrepareSmem<KD, VD>;
     constexpr int THREADS = 256;
+    constexpr int WN = (KD / 8 + 1) / 2, UN = (VD / 8 + 1) / 2;  // n-tiles of W / U a warp makes (at most)
     extern __shared__ __align__(16) float smem[];
     float* ks = smem + L::K;
     float* qs = smem + L::Q;
     float* as = smem + L::A;
     float* ts = smem + L::T;
+    float* kl = smem + L::A;  // until the first head: tf32(k - tf32(k)), row stride LK (A and T hold C LK floats)
     float* cs = smem + L::VEC;
     float* bs = cs + C;
     float* sc = bs + C;
@@ -199,54 +366,86 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
     const int lo = max(0, s * C - off);
     const int n = min(rows, (s + 1) * C - off) - lo;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane >> 2, tq = lane & 3;
+    const int br = tid / 16, bc = tid % 16;  // place in a 16 x 16 block
     const size_t row_len = (size_t)key_heads * KD;
 
-    // k and q rows of the sub-chunk (zeros past n)
-    for (int e = tid; e < C * (KD / 4); e += THREADS) {
-        const int i = e / (KD / 4), c4 = (e % (KD / 4)) * 4;
-        float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
-        if (i < n) {
-            const size_t at = (size_t)(lo + i) * row_len + (size_t)kh * KD + c4;
-            kv = *reinterpret_cast<const float4*>(k + at);
-            qv = *reinterpret_cast<const float4*>(q + at);
+    // k and q rows of the sub-chunk (zeros past n): thread tid copies the 16 bytes at column kc of
+    // rows kr + KR r (fixed slots: a pointer step a copy where a loop over e = tid, tid + THREADS, ...
+    // redid the row arithmetic)
+    constexpr int KR = THREADS / (KD / 4), VR = THREADS / (VD / 4);  // rows one pass of copies covers
+    const int kr = tid / (KD / 4), kc = 4 * (tid % (KD / 4));
+    auto copy_k = [&](bool with_q) {
+        const size_t k_at = (size_t)(lo + kr) * row_len + (size_t)kh * KD + kc;
+#pragma unroll
+        for (int r = 0; r < C; r += KR) {
+            if (KR <= C || kr < C) {
+                const bool live = kr + r < n;
+                copy16(ks + (kr + r) * L::LK + kc, live ? k + k_at + r * row_len : k, live);
+                if (with_q) copy16(qs + (kr + r) * L::LQ + kc, live ? q + k_at + r * row_len : q, live);
+            }
         }
-        *reinterpret_cast<float4*>(ks + i * L::LK + c4) = kv;
-        *reinterpret_cast<float4*>(qs + i * L::LQ + c4) = qv;
+    };
+    copy_k(true);
+    commit();
+    wait_groups<0>();
+    // k as the pairs `split` makes, for the Gram products: tf32(k) in place, tf32(k - tf32(k)) in the
+    // A and T buffers (free until the first head). Each thread converts the 16 bytes it copied.
+    // W multiplies k itself, so the first head copies it again.
+#pragma unroll
+    for (int r = 0; r < C; r += KR) {
+        if (KR <= C || kr < C) {
+            float* at = ks + (kr + r) * L::LK + kc;
+            const float4 x4 = *reinterpret_cast<const float4*>(at);
+            const float x[4] = {x4.x, x4.y, x4.z, x4.w};
+            u32 h[4], l[4];
+            split<SPLIT, 4>(h, l, x);
+            *reinterpret_cast<float4*>(at) =
+                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]),
+                            __uint_as_float(h[3]));
+            if (SPLIT == 3)
+                *reinterpret_cast<float4*>(kl + (kr + r) * L::LK + kc) = make_float4(
+                    __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
+        }
     }
     __syncthreads();
 
-    // Gram matrices k k^T and q k^T, kept in registers: warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
+    // Gram matrices k k^T and q k^T, kept in registers: warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j.
+    // A tile right of the diagonal's 16-row block (j > w % 4) is all zeros in A and M: its products
+    // are not made (one straight-line loop for each m-tile)
     const int gr = 16 * (warp % 4) + gq;
     float acc_k[C / 16][4], acc_q[C / 16][4];
 #pragma unroll
     for (int j = 0; j < C / 16; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_k[j][e] = acc_q[j][e] = 0.f;
-#pragma unroll 2
-    for (int k0 = 0; k0 < KD; k0 += 8) {
-        float ak[4], aq[4];
-        a_fragment(ak, ks, L::LK, gr, k0, tq);
-        a_fragment(aq, qs, L::LQ, gr, k0, tq);
-#pragma unroll
-        for (int j = 0; j < C / 16; ++j) {
-            const int col = 8 * (warp / 4 + 2 * j) + gq;
-            const float b[2] = {ks[col * L::LK + k0 + tq], ks[col * L::LK + k0 + tq + 4]};
-            mma<SPLIT>(acc_k[j], ak, b);
-            mma<SPLIT>(acc_q[j], aq, b);
-        }
+    switch (warp % 4) {
+        case 0: gram<KD, L::LK, L::LQ, SPLIT, 1>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq); break;
+        case 1: gram<KD, L::LK, L::LQ, SPLIT, 2>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq); break;
+        case 2: gram<KD, L::LK, L::LQ, SPLIT, 3>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq); break;
+        default: gram<KD, L::LK, L::LQ, SPLIT, 4>(acc_k, acc_q, ks, kl, qs, gr, warp, gq, tq);
     }
 
     for (int vi = 0; vi < per_block; ++vi) {
         const int hv = vh0 + vi;
         __syncthreads();  // q rows read; the previous head's buffers free
-        if (tid < C) {
-            const bool live = tid < n;
-            cs[tid] = live ? g[(size_t)(lo + tid) * value_heads + hv] : 0.f;
-            bs[tid] = live ? beta[(size_t)(lo + tid) * value_heads + hv] : 0.f;
+        // v rows into the q buffer (zeros past n), landing while A and T are made
+        {
+            const int vr = tid / (VD / 4), vc = 4 * (tid % (VD / 4));
+            const float* v = mixed + (size_t)(lo + vr) * channels + v0 + (size_t)hv * VD + vc;
+#pragma unroll
+            for (int r = 0; r < C; r += VR) {
+                if (VR <= C || vr < C) {
+                    const bool live = vr + r < n;
+                    copy16(qs + (vr + r) * L::LQ + vc, live ? v + (size_t)r * channels : mixed, live);
+                }
+            }
         }
-        __syncthreads();
+        if (vi == 0) copy_k(false);  // k itself again, for W
+        commit();
         if (warp == 0) {  // c = inclusive cumsum of g: pairs per lane, then a shuffle scan over lanes
-            const float x0 = cs[2 * lane], x1 = cs[2 * lane + 1];
+            const bool live0 = 2 * lane < n, live1 = 2 * lane + 1 < n;
+            const float x0 = live0 ? g[(size_t)(lo + 2 * lane) * value_heads + hv] : 0.f;
+            const float x1 = live1 ? g[(size_t)(lo + 2 * lane + 1) * value_heads + hv] : 0.f;
             float incl = __fadd_rn(x0, x1);
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
@@ -257,20 +456,8 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
             if (lane == 0) excl = 0.f;
             cs[2 * lane] = __fadd_rn(excl, x0);
             cs[2 * lane + 1] = __fadd_rn(__fadd_rn(excl, x0), x1);
-        }
-        // beta v rows into the q buffer (zeros past n)
-        for (int e = tid; e < C * (VD / 4); e += THREADS) {
-            const int i = e / (VD / 4), c4 = (e % (VD / 4)) * 4;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < n) {
-                v = *reinterpret_cast<const float4*>(mixed + (size_t)(lo + i) * channels + v0 + (size_t)hv * VD + c4);
-                const float b = bs[i];
-                v.x = __fmul_rn(v.x, b);
-                v.y = __fmul_rn(v.y, b);
-                v.z = __fmul_rn(v.z, b);
-                v.w = __fmul_rn(v.w, b);
-            }
-            *reinterpret_cast<float4*>(qs + i * L::LQ + c4) = v;
+        } else if (warp == 1) {
+            for (int i = lane; i < C; i += 32) bs[i] = i < n ? beta[(size_t)(lo + i) * value_heads + hv] : 0.f;
         }
         __syncthreads();
         const float c_last = cs[n - 1];
@@ -285,118 +472,118 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
         // A = strict_lower(beta_i (k_i . k_j) e^(c_i - c_j)) into shared memory and
         // M = lower_incl((q_i . k_j) e^(c_i - c_j)) to scratch, from the Gram fragments
         float* m = m_out + ((size_t)s * value_heads + hv) * C * C;
+        const int col0 = 8 * (warp / 4) + 2 * tq;  // this thread's first column at j = 0
+        float* a0 = as + gr * L::LC + col0;         // (shared-memory offsets from bases: immediates)
+        const float* cj0 = cs + col0;
 #pragma unroll
         for (int j = 0; j < C / 16; ++j) {
-            const int col = 8 * (warp / 4 + 2 * j) + 2 * tq;
-            float mv[4];
+            const int col = col0 + 16 * j;
+            float mv[4] = {0.f, 0.f, 0.f, 0.f};
+            if (j <= warp % 4)  // else M's zeros (A's entries there are never read)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = gr + 8 * (e / 2), jj = col + e % 2;
-                const float decay = jj <= i ? expf(__fsub_rn(cs[i], cs[jj])) : 0.f;
-                as[i * L::LC + jj] = jj < i ? __fmul_rn(__fmul_rn(bs[i], acc_k[j][e]), decay) : 0.f;
+                const float ex = expf(__fsub_rn(cs[i], cj0[16 * j + e % 2]));  // made for all (no branch)
+                const float decay = jj <= i ? ex : 0.f;
+                a0[8 * (e / 2) * L::LC + 16 * j + e % 2] =
+                    jj < i ? __fmul_rn(__fmul_rn(bs[i], acc_k[j][e]), decay) : 0.f;
                 mv[e] = operand<SPLIT>(jj <= i ? __fmul_rn(acc_q[j][e], decay) : 0.f);
             }
             *reinterpret_cast<float2*>(m + gr * C + col) = make_float2(mv[0], mv[1]);
             *reinterpret_cast<float2*>(m + (gr + 8) * C + col) = make_float2(mv[2], mv[3]);
         }
-        for (int e = tid; e < C * C; e += THREADS) {
-            const int i = e / C, j = e % C;
-            if (j / 16 > i / 16) ts[i * L::LC + j] = 0.f;
-        }
+        // T's blocks above the diagonal are zeros (W and U multiply them)
+#pragma unroll
+        for (int bi = 0; bi < 3; ++bi)
+#pragma unroll
+            for (int bj = bi + 1; bj < 4; ++bj) ts[br * L::LC + bc + 16 * bi * L::LC + 16 * bj] = 0.f;
         __syncthreads();
 
         // T = (I + A)^-1. Diagonal 16 x 16 blocks: one column per thread, forward substitution
         // (entries above the diagonal are zeros, so the sum may start at 0).
         if (tid < C) {
             const int base = 16 * (tid / 16), col = tid % 16;
+            const float* ad = as + base * (L::LC + 1);
+            float* td = ts + base * (L::LC + 1) + col;
             float tc[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
                 float acc = 0.f;
 #pragma unroll
-                for (int mm = 0; mm < i; ++mm) acc = __fmaf_rn(as[(base + i) * L::LC + base + mm], tc[mm], acc);
+                for (int mm = 0; mm < i; ++mm) acc = __fmaf_rn(ad[i * L::LC + mm], tc[mm], acc);
                 tc[i] = i < col ? 0.f : (i == col ? 1.f : -acc);
-                ts[(base + i) * L::LC + base + col] = tc[i];
+                td[i * L::LC] = tc[i];
             }
         }
         __syncthreads();
-        // Block rows in order: X = sum_{bk in [bj, bi)} A_{bi,bk} T_{bk,bj} (into A's block
-        // (bi, bj), free once every X of the row is made), then T_{bi,bj} = -T_{bi,bi} X.
+        // Block rows in order: X_{bi,bj} = sum_{bk in [bj, bi)} A_{bi,bk} T_{bk,bj} (each chain over bk,
+        // then the block's columns, in order), then T_{bi,bj} = -T_{bi,bi} X_{bi,bj}. Thread (br, bc)
+        // makes element (br, bc) of every block of the row: a row of A (or T) it reads, 16 floats a
+        // block, serves every bj. X goes to A's block (bj, bi) above the diagonal, which nothing reads.
+        {
+            const float* arow = as + br * L::LC;  // bases: every offset below is an immediate
+            const float* tcol = ts + bc;
+            float* xo = as + br * L::LC + bc;
+            float* to = ts + br * L::LC + bc;
 #pragma unroll
-        for (int bi = 1; bi < 4; ++bi) {
-            float x[3];
+            for (int bi = 1; bi < 4; ++bi) {
+                float x[3] = {0.f, 0.f, 0.f};
 #pragma unroll
-            for (int rep = 0; rep < 3; ++rep) {
-                const int e = tid + THREADS * rep;
-                x[rep] = 0.f;
-                if (rep < bi) {
-                    const int bj = e / 256, rr = (e / 16) % 16, cc = e % 16;
-                    float acc = 0.f;
-                    for (int bk = bj; bk < bi; ++bk)
+                for (int bk = 0; bk < bi; ++bk) {
+                    float a[16];
+#pragma unroll
+                    for (int mm = 0; mm < 16; mm += 4)
+                        *reinterpret_cast<float4*>(a + mm) =
+                            *reinterpret_cast<const float4*>(arow + 16 * bi * L::LC + 16 * bk + mm);
+#pragma unroll
+                    for (int bj = 0; bj <= bk; ++bj)
 #pragma unroll
                         for (int mm = 0; mm < 16; ++mm)
-                            acc = __fmaf_rn(as[(16 * bi + rr) * L::LC + 16 * bk + mm],
-                                            ts[(16 * bk + mm) * L::LC + 16 * bj + cc], acc);
-                    x[rep] = acc;
+                            x[bj] = __fmaf_rn(a[mm], tcol[(16 * bk + mm) * L::LC + 16 * bj], x[bj]);
                 }
-            }
-            __syncthreads();
 #pragma unroll
-            for (int rep = 0; rep < 3; ++rep) {
-                const int e = tid + THREADS * rep;
-                if (rep < bi) as[(16 * bi + (e / 16) % 16) * L::LC + 16 * (e / 256) + e % 16] = x[rep];
-            }
-            __syncthreads();
+                for (int bj = 0; bj < bi; ++bj) xo[16 * bj * L::LC + 16 * bi] = x[bj];
+                __syncthreads();
+                float t[16];
 #pragma unroll
-            for (int rep = 0; rep < 3; ++rep) {
-                const int e = tid + THREADS * rep;
-                if (rep < bi) {
-                    const int bj = e / 256, rr = (e / 16) % 16, cc = e % 16;
+                for (int mm = 0; mm < 16; mm += 4)
+                    *reinterpret_cast<float4*>(t + mm) =
+                        *reinterpret_cast<const float4*>(ts + br * L::LC + 16 * bi * L::LC + 16 * bi + mm);
+#pragma unroll
+                for (int bj = 0; bj < bi; ++bj) {
                     float acc = 0.f;
 #pragma unroll
                     for (int mm = 0; mm < 16; ++mm)
-                        acc = __fmaf_rn(ts[(16 * bi + rr) * L::LC + 16 * bi + mm],
-                                        as[(16 * bi + mm) * L::LC + 16 * bj + cc], acc);
-                    ts[(16 * bi + rr) * L::LC + 16 * bj + cc] = -acc;
+                        acc = __fmaf_rn(t[mm], as[bc + (16 * bj + mm) * L::LC + 16 * bi], acc);
+                    to[16 * bi * L::LC + 16 * bj] = -acc;
                 }
+                if (bi == 3) wait_groups<0>();  // this thread's k (first head) and v rows are in
+                __syncthreads();
             }
-            __syncthreads();
         }
 
-        // W = T (beta e^c k) and U = T (beta v): warp w owns rows 16 (w % 4).., n-tiles w / 4 + 2 j
-        {
-            const int r = 16 * (warp % 4) + gq;
-            float ta[C / 8][4];
-#pragma unroll
-            for (int kt = 0; kt < C / 8; ++kt) a_fragment(ta[kt], ts, L::LC, r, 8 * kt, tq);
-            float* w = w_out + ((size_t)s * value_heads + hv) * C * KD;
-            for (int nt = warp / 4; nt < KD / 8; nt += 2) {
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int kt = 0; kt < C / 8; ++kt) {
-                    const int j = 8 * kt + tq;
-                    const float b[2] = {__fmul_rn(ks[j * L::LK + 8 * nt + gq], sc[j]),
-                                        __fmul_rn(ks[(j + 4) * L::LK + 8 * nt + gq], sc[j + 4])};
-                    mma<SPLIT>(acc, ta[kt], b);
-                }
-                *reinterpret_cast<float2*>(w + r * KD + 8 * nt + 2 * tq) =
-                    make_float2(operand<SPLIT>(acc[0]), operand<SPLIT>(acc[1]));
-                *reinterpret_cast<float2*>(w + (r + 8) * KD + 8 * nt + 2 * tq) =
-                    make_float2(operand<SPLIT>(acc[2]), operand<SPLIT>(acc[3]));
-            }
-            float* u = u_out + ((size_t)s * value_heads + hv) * C * VD;
-            for (int nt = warp / 4; nt < VD / 8; nt += 2) {
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int kt = 0; kt < C / 8; ++kt) {
-                    const int j = 8 * kt + tq;
-                    const float b[2] = {qs[j * L::LQ + 8 * nt + gq], qs[(j + 4) * L::LQ + 8 * nt + gq]};
-                    mma<SPLIT>(acc, ta[kt], b);
-                }
-                *reinterpret_cast<float2*>(u + r * VD + 8 * nt + 2 * tq) = make_float2(acc[0], acc[1]);
-                *reinterpret_cast<float2*>(u + (r + 8) * VD + 8 * nt + 2 * tq) = make_float2(acc[2], acc[3]);
-            }
+        // T as the pairs `split` makes (tf32(T) in place; SPLIT 3: tf32(T - tf32(T)) in A's buffer,
+        // free now), made once here instead of by each warp that reads a fragment
+        for (int e = tid; e < C * C / 4; e += THREADS) {
+            const int i = e / (C / 4), c4 = (e % (C / 4)) * 4;
+            const float4 t = *reinterpret_cast<const float4*>(ts + i * L::LC + c4);
+            const float x[4] = {t.x, t.y, t.z, t.w};
+            u32 h[4], l[4];
+            split<SPLIT, 4>(h, l, x);
+            *reinterpret_cast<float4*>(ts + i * L::LC + c4) =
+                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]),
+                            __uint_as_float(h[3]));
+            if (SPLIT == 3)
+                *reinterpret_cast<float4*>(as + i * L::LC + c4) = make_float4(
+                    __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
         }
+        __syncthreads();
+
+        // W = T (beta e^c k) and U = T (beta v): warp w makes all 4 m-tiles of n-tiles w + 8 j, so
+        // each B element is converted once
+        const size_t head = (size_t)s * value_heads + hv;
+        product_t<KD, L::LK, SPLIT, true>(w_out + head * C * KD, ts, as, ks, sc, warp, gq, tq);
+        product_t<VD, L::LQ, SPLIT, false>(u_out + head * C * VD, ts, as, qs, bs, warp, gq, tq);
     }
 }
 

@@ -110,11 +110,12 @@ def walk_shape(value_dim: int, value_heads: int, sms: int = SMS) -> tuple[int, i
 def prepare_ctas(blocks: int, split: int, sms: int = SMS) -> int:
     """CTAs a multiprocessor phase 1's registers are capped for (its launch bounds) when its
     grid has `blocks` CTAs: 2 with split 1; with split 3, 2 when the grid is more than one
-    wave at one CTA a multiprocessor, else 1. At 128 registers the 3xTF32 kernel spills 64
-    bytes a thread, which costs a lone CTA; two CTAs hide each other's barriers and serial
-    forward substitution (H200, RESULTS.md session 29: 9B 8,192 rows 0.790 -> 0.570 ms,
-    27B 4,096 rows 0.550 -> 0.401 ms; 27B 51 rows, 48 CTAs, 0.026 ms at 1 against 0.029 at 2).
-    Either gives the same bits (the same operations; only the register allocation differs)."""
+    wave at one CTA a multiprocessor, else 1. At 128 registers the 3xTF32 kernel spilled 64
+    bytes a thread (none since session 37's rework; 157 registers uncapped), which cost a lone
+    CTA; two CTAs hide each other's barriers and serial forward substitution (H200, RESULTS.md
+    session 29: 9B 8,192 rows 0.790 -> 0.570 ms, 27B 4,096 rows 0.550 -> 0.401 ms; 27B 51 rows,
+    48 CTAs, 0.026 ms at 1 against 0.029 at 2). Either gives the same bits (the same
+    operations; only the register allocation differs)."""
     return 2 if split == 1 or blocks > sms else 1
 
 

@@ -141,6 +141,21 @@ inline void copy16(float* dst, const float* src, bool live) {
     g_fiber->open.push_back({dst, src, live});
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 of 32-bit elements for the calling warp: lane l gives
+// the address of row l % 8 of matrix l / 8 (4 floats); register i of lane l gets float l % 4 of
+// row l / 4 of matrix i.
+inline void ldsm_x4(u32* r, const float* row) {
+    const int w = g_fiber->tid / 32, l = g_fiber->tid % 32;
+    std::memcpy(&g_exchange[w][l][6], &row, sizeof(row));
+    warp_barrier();
+    for (int i = 0; i < 4; ++i) {
+        const float* p;
+        std::memcpy(&p, &g_exchange[w][8 * i + l / 4][6], sizeof(p));
+        r[i] = __float_as_uint(p[l % 4]);
+    }
+    warp_barrier();
+}
+
 inline void commit() {
     if (g_async) {
         g_fiber->groups.push_back(g_fiber->open);
