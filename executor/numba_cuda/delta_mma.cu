@@ -340,6 +340,9 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
 // block rows): row tid / 16, column tid % 16. Session 37 (NVRTC 13.0 sm_90, prepare<128, 128, 3>
 // at launch bounds (256, 2)): 128 registers, 64 -> 0 spill bytes a thread, ~14,300 -> ~9,300 SASS
 // instructions a warp a CTA of two value heads (warp 0's path; the same 103 KB of shared memory).
+// On the H100 (bench/RESULTS.md, session 37), phase 1 alone at 32,768 rows: 9B 2.340 -> 1.725 ms,
+// 27B 3.218 -> 2.413 ms, outputs and states byte for byte the same; the 9B's 32K prefill's delta rule
+// 164.6 -> 148.8 ms with the same logits digest.
 template <int KD, int VD, int SPLIT>
 __device__ __forceinline__ void prepare(const float* q, const float* k, const float* mixed, const float* g,
                                         const float* beta, float* w_out, float* u_out, float* m_out, float* dv_out,
