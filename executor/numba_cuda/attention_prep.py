@@ -4,8 +4,8 @@
 read later by attention's combine); `kv_norm_rope_store` norms and rotates K, and writes
 K and V as bf16 at their absolute rows in a stream's cache. Twins: ops.split_query_gate,
 ops.rms_norm (QK-norm), ops.rope. Angles in float64. A block takes ROWS_PER_BLOCK rows (one
-row up to FEW_ROWS rows) of Q_HEADS_PER_BLOCK query heads, or of every K/V head, THREADS
-threads a head: every bit the same as one block per (row, head).
+row up to FEW_ROWS rows) of Q_HEADS_PER_BLOCK query heads or K/V heads, THREADS threads a
+head: every bit the same as one block per (row, head).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ A row's bits do not depend on it: each row goes through the same operations in t
 order. Chunks of at most FEW_ROWS rows (decode rounds, short chunks) take one row a block,
 so that they keep as many blocks as rows. H100, 9B, 32K rows (bench/RESULTS.md, session
 37), q / K+V ms: one row a block, before 0.792 / 0.424; rows a block 1, 2, 4, 8: 1.082 /
-0.335, 0.886 / 0.290, 0.753 / 0.256, 0.683 / 0.248, all the same bytes."""
+0.335, 0.886 / 0.290, 0.753 / 0.256, 0.683 / 0.248, all the same bytes. One row a block has
+been compiled without the prefetch since (rows a block is a compile-time constant), unmeasured."""
 
 FEW_ROWS = 1024
 """Row count up to which the kernels take one row a block (see ROWS_PER_BLOCK)."""
@@ -61,8 +62,8 @@ def _row_norm_rope(x, g, t, tid, half, dim, n, weight, freqs, position, eps, val
     sum of squares is each thread's own elements from 0 in order, then the fixed tree over
     THREADS slots (fold_wide's wide steps, the xor butterfly for the last five: the same
     pairs as `block_sum`'s tree), so the bits are those of one THREADS-thread block per (row,
-    head) summing with `block_sum` (the kernels before session 37). Ends on a barrier, after
-    which vals[g] may be read and buf and angles written again."""
+    head) summing with `block_sum` (K's kernel before session 37; q's already summed this way).
+    Ends on a barrier, after which vals[g] may be read and buf and angles written again."""
     ug, ut, utid = u32(g), u32(t), u32(tid)
     ssq = _F32(0.0)
     for k in range(n):
@@ -95,10 +96,10 @@ def _row_norm_rope(x, g, t, tid, half, dim, n, weight, freqs, position, eps, val
 
 
 @functools.cache
-def _q_kernel_for(head_dim: int, half: int):
+def _q_kernel_for(head_dim: int, half: int, per_block: int):
     """The query norm + RoPE kernel for heads of `head_dim` with `half` rotated pairs: a block
-    takes Q_HEADS_PER_BLOCK heads of `per_block` consecutive rows (`rows_per_block`), THREADS
-    threads a head. Each thread loads its dims t, t + THREADS, ... before it sums their
+    takes Q_HEADS_PER_BLOCK heads of `per_block` consecutive rows (`rows_per_block`; a
+    compile-time constant, so one row a block has no prefetch code), THREADS threads a head. Each thread loads its dims t, t + THREADS, ... before it sums their
     squares (a thread that loaded, summed and loaded again had one load in flight: 0.73 TB/s
     at the 9B's 32K chunk, bench/RESULTS.md session 28), and loads the next row's while this
     row is normed, rotated and stored (`_row_norm_rope`): every bit is what one block per
@@ -110,7 +111,7 @@ def _q_kernel_for(head_dim: int, half: int):
 
     @fast
     @cuda.jit
-    def _q_kernel(qg, weight, freqs, positions, eps, per_block, out):
+    def _q_kernel(qg, weight, freqs, positions, eps, out):
         # qg: [rows, heads * 2 * head_dim] f32; positions: [rows] i32; out: [rows, heads, head_dim] f32
         tid = cuda.threadIdx.x
         g = tid // THREADS
@@ -134,7 +135,7 @@ def _q_kernel_for(head_dim: int, half: int):
             ur = u32(row)
             for k in range(n):
                 x[k] = nxt[k]
-            if row + 1 < end:  # the next row's loads, in flight while this row is worked
+            if per_block > 1 and row + 1 < end:  # the next row's loads, in flight while this row is worked
                 for k in range(n):
                     if t + k * THREADS < head_dim:
                         nxt[k] = qg[u32(row + 1), u32(col0 + t + k * THREADS)]
@@ -173,42 +174,48 @@ def q_norm_rope(qg, weight, freqs, positions, eps: float, heads: int, head_dim: 
     if rows:
         per_block = rows_per_block(rows)
         grid = (-(-rows // per_block), -(-heads // Q_HEADS_PER_BLOCK))
-        _q_kernel_for(head_dim, freqs.shape[0])[grid, Q_HEADS_PER_BLOCK * THREADS, stream](
-            qg, weight, freqs, positions, eps, per_block, out)
+        _q_kernel_for(head_dim, freqs.shape[0], per_block)[grid, Q_HEADS_PER_BLOCK * THREADS, stream](
+            qg, weight, freqs, positions, eps, out)
     return out
 
 
 @functools.cache
-def _kv_kernel_for(head_dim: int, half: int, kv_heads: int):
-    """The K norm + RoPE + cache store kernel: a block takes every K/V head of `per_block`
-    consecutive rows (`rows_per_block`), THREADS threads a head, each thread its dims t,
-    t + THREADS, ... of K and of V, the next row's loaded while this one is worked; K goes
-    through `_row_norm_rope` (the same bits as one block per (row, head)), V is rounded as it
-    is. A row's angles are worked out once for its heads."""
+def _kv_kernel_for(head_dim: int, half: int, kv_heads: int, per_block: int):
+    """The K norm + RoPE + cache store kernel: a block takes up to Q_HEADS_PER_BLOCK K/V heads
+    (every one of the presets') of `per_block` consecutive rows (`rows_per_block`; a
+    compile-time constant, so one row a block has no prefetch code), THREADS threads a head,
+    each thread its dims t, t + THREADS, ... of K and of V, the next row's loaded while this one
+    is worked; K goes through `_row_norm_rope` (the same bits as one block per (row, head)), V
+    is rounded as it is. A row's angles are worked out once for the block's heads."""
     n = -(-head_dim // THREADS)  # dims a thread holds
-    warps = kv_heads * THREADS // 32
+    group = min(kv_heads, Q_HEADS_PER_BLOCK)
+    warps = group * THREADS // 32
     pairs = max(half, 1)
 
     @fast
     @cuda.jit
-    def _kv_kernel(kv, weight, freqs, positions, slots, eps, per_block, kcache, vcache):
+    def _kv_kernel(kv, weight, freqs, positions, slots, eps, kcache, vcache):
         # kv: [rows, 2 * kv_heads * head_dim] f32 (K columns, then V columns)
         # kcache, vcache: [slots, capacity_rows, kv_heads, head_dim] bf16
         tid = cuda.threadIdx.x
         g = tid // THREADS
         t = tid % THREADS
-        k0 = g * head_dim
-        v0 = (kv_heads + g) * head_dim
+        head = cuda.blockIdx.y * group + g
+        live = head < kv_heads
+        if not live:  # a group past the last head computes head 0 (for the barriers), stores nothing
+            head = 0
+        k0 = head * head_dim
+        v0 = (kv_heads + head) * head_dim
         first = cuda.blockIdx.x * per_block
         end = min(first + per_block, kv.shape[0])
-        vals = cuda.shared.array((kv_heads, head_dim), np.float32)
-        buf = cuda.shared.array((kv_heads, THREADS), np.float32)
+        vals = cuda.shared.array((group, head_dim), np.float32)
+        buf = cuda.shared.array((group, THREADS), np.float32)
         angles = cuda.shared.array((2, pairs), np.float64)
         scratch = cuda.shared.array((warps, 32), np.float32)  # the simulator's warp tree only
         x = cuda.local.array(n, np.float32)
         nxt = cuda.local.array(n, np.float32)
         vx = cuda.local.array(n, np.float32)
-        ug = u32(g)  # unsigned indices (all >= 0): no negative-index wraparound code
+        ug, uh = u32(g), u32(head)  # unsigned indices (all >= 0): no negative-index wraparound code
         for k in range(n):
             if t + k * THREADS < head_dim:
                 nxt[k] = kv[u32(first), u32(k0 + t + k * THREADS)]
@@ -219,24 +226,25 @@ def _kv_kernel_for(head_dim: int, half: int, kv_heads: int):
                 x[k] = nxt[k]
             slot = slots[ur]
             pos = positions[ur]
-            if slot >= 0:  # else a padding row of a captured prefill (graphs.PrefillGraphs): no cache row
+            if slot >= 0 and live:  # else a padding row of a captured prefill (graphs.PrefillGraphs): no cache row
                 us, up = u32(slot), u32(pos)
                 for k in range(n):
                     i = t + k * THREADS
                     if i < head_dim:
-                        vcache[us, up, ug, u32(i)] = f32_to_bf16(vx[k])
-            if row + 1 < end:  # the next row's loads, in flight while this row is worked
+                        vcache[us, up, uh, u32(i)] = f32_to_bf16(vx[k])
+            if per_block > 1 and row + 1 < end:  # the next row's loads, in flight while this row is worked
                 for k in range(n):
                     if t + k * THREADS < head_dim:
                         nxt[k] = kv[u32(row + 1), u32(k0 + t + k * THREADS)]
                         vx[k] = kv[u32(row + 1), u32(v0 + t + k * THREADS)]
             if slot >= 0:  # the same for every thread of the block: its barriers are safe
                 _row_norm_rope(x, g, t, tid, half, head_dim, n, weight, freqs, pos, eps, vals, buf, angles, scratch)
-                us, up = u32(slot), u32(pos)
-                for k in range(n):
-                    i = t + k * THREADS
-                    if i < head_dim:
-                        kcache[us, up, ug, u32(i)] = f32_to_bf16(vals[ug, u32(i)])
+                if live:
+                    us, up = u32(slot), u32(pos)
+                    for k in range(n):
+                        i = t + k * THREADS
+                        if i < head_dim:
+                            kcache[us, up, uh, u32(i)] = f32_to_bf16(vals[ug, u32(i)])
 
     return _kv_kernel
 
@@ -261,5 +269,7 @@ def kv_norm_rope_store(kv, weight, freqs, positions, slots, eps: float, kcache, 
         raise ValueError(f"head_dim {head_dim} / rotary pairs {freqs.shape[0]} unsupported")
     if rows:
         per_block = rows_per_block(rows)
-        _kv_kernel_for(head_dim, freqs.shape[0], kv_heads)[-(-rows // per_block), kv_heads * THREADS, stream](
-            kv, weight, freqs, positions, slots, eps, per_block, kcache, vcache)
+        group = min(kv_heads, Q_HEADS_PER_BLOCK)
+        grid = (-(-rows // per_block), -(-kv_heads // group))
+        _kv_kernel_for(head_dim, freqs.shape[0], kv_heads, per_block)[grid, group * THREADS, stream](
+            kv, weight, freqs, positions, slots, eps, kcache, vcache)

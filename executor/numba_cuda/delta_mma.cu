@@ -78,31 +78,12 @@ __device__ __forceinline__ void mma_tf32(float* d, u32 a0, u32 a1, u32 a2, u32 a
 // a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)); b: B fragment (b0 (k t, n g), b1 (k t+4, n g));
 // d: C fragment (d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)); g = lane / 4,
 // t = lane % 4 (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32).
-template <int SPLIT, bool A_TF32 = false, bool B_TF32 = false>
-__device__ __forceinline__ void mma(float* d, const float* a, const float* b) {
-    // A_TF32 / B_TF32: that operand already holds tf32 values (rounded when it was stored),
-    // so with SPLIT 1 its conversion is skipped (cvt.rna of a tf32 value is the value).
-    u32 ab[4], bb[2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ab[i] = (SPLIT == 1 && A_TF32) ? __float_as_uint(a[i]) : tf32(a[i]);
-    bb[0] = (SPLIT == 1 && B_TF32) ? __float_as_uint(b[0]) : tf32(b[0]);
-    bb[1] = (SPLIT == 1 && B_TF32) ? __float_as_uint(b[1]) : tf32(b[1]);
-    if (SPLIT == 3) {
-        u32 as[4], bs[2];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) as[i] = tf32(__fsub_rn(a[i], __uint_as_float(ab[i])));
-        bs[0] = tf32(__fsub_rn(b[0], __uint_as_float(bb[0])));
-        bs[1] = tf32(__fsub_rn(b[1], __uint_as_float(bb[1])));
-        mma_tf32(d, ab[0], ab[1], ab[2], ab[3], bs[0], bs[1]);
-        mma_tf32(d, as[0], as[1], as[2], as[3], bb[0], bb[1]);
-    }
-    mma_tf32(d, ab[0], ab[1], ab[2], ab[3], bb[0], bb[1]);
-}
-
-// d += a b as `mma` does, with b given already converted: bh = tf32(b) and, for SPLIT 3,
-// bl = tf32(b - bh) (`split_store` wrote them); the same tf32 products in the same order as
-// mma<SPLIT, A_TF32, true>, so the same bits. A warp that only reads b skips its conversion:
-// the walk's B operands (S, V') are stored once by the warp that owns them and read by 4 or 8.
+// The product (the header's): with SPLIT 3, d += a_hi b_lo, then a_lo b_hi, then a_hi b_hi, where
+// x_hi = tf32(x) and x_lo = tf32(x - x_hi); with SPLIT 1, d += a_hi b_hi. Here b comes already
+// converted: bh = tf32(b) and, for SPLIT 3, bl = tf32(b - bh) (`split_store` wrote them); A_TF32:
+// a already holds tf32 values (rounded when stored), so with SPLIT 1 its conversion is skipped
+// (cvt.rna of a tf32 value is the value). A warp that only reads b skips its conversion: the
+// walk's B operands (S, V') are stored once by the warp that owns them and read by 4 or 8.
 template <int SPLIT, bool A_TF32 = false>
 __device__ __forceinline__ void mma_split_b(float* d, const float* a, const float* bh, const float* bl) {
     u32 ab[4];
@@ -139,8 +120,8 @@ __device__ __forceinline__ void split(u32* hi, u32* lo, const float* x) {
     }
 }
 
-// d += a b as mma<SPLIT> does, both operands given as their `split` pairs: the same tf32 products
-// in the same order (big*small, small*big, big*big), so the same bits.
+// d += a b, the product `mma_split_b` makes, both operands given as their `split` pairs: the same
+// tf32 products in the same order (big*small, small*big, big*big), so the same bits.
 template <int SPLIT>
 __device__ __forceinline__ void mma_split(float* d, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
     if (SPLIT == 3) {
@@ -181,7 +162,9 @@ __device__ __forceinline__ void copy16(float* dst, const float* src, bool live) 
 // receives float l % 4 of row l / 4: an A fragment's 8 x 4 quarter or a B fragment's half. Lane l
 // gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); register i gets
 // matrix i. The x4 loads an A fragment (rows r.., r+8.., columns k0.., k0+4..) in one instruction
-// where `a_fragment` issues four loads.
+// where `a_fragment` issues four loads. The address comes from __cvta_generic_to_shared, not
+// `smem_addr`, whose volatile asm kept the compiler from sharing the address arithmetic (phase 1
+// then spilled 20 words a thread under NVRTC 13.0).
 __device__ __forceinline__ void ldsm_x4(u32* r, const float* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -265,8 +248,8 @@ __device__ __forceinline__ void gram(float (&acc_k)[C / 16][4], float (&acc_q)[C
 // multiplies with SPLIT 1) and U (x: v rows, f: beta): [C, N] row-major. th, tl: T's `split` pairs
 // (row stride C + 4); x row stride LX. Warp w makes the 4 m-tiles of n-tiles w + 8 j: each B element
 // f_j x_jc is made and converted by one warp, the A fragments come split. Per output element the
-// k-steps in order, each one mma<SPLIT> of the same operands: the same bits as converting both
-// operands at every product.
+// k-steps in order, each one product (`mma_split_b`'s) of the same operands: the same bits as
+// converting both operands at every product.
 template <int N, int LX, int SPLIT, bool ROUND>
 __device__ __forceinline__ void product_t(float* out, const float* th, const float* tl, const float* x,
                                           const float* f, int warp, int gq, int tq) {
@@ -335,7 +318,7 @@ __device__ __forceinline__ void product_t(float* out, const float* th, const flo
 // made) and multiplied by beta as U reads them: the product __fmul_rn(v, beta) the stored beta v
 // was. Tiles right of a warp's diagonal 16-row block are zeros in A and M: their Gram products
 // are not made (nothing reads them). A fragments load by ldmatrix. Every output element keeps its
-// operations and order (each k-step one mma<SPLIT> of the same operands; the same fma chains,
+// operations and order (each k-step one product of the same operands; the same fma chains,
 // expf, fmul): the same bits. Thread tid's place in a 16 x 16 block (the forward substitution's
 // block rows): row tid / 16, column tid % 16. Session 37 (NVRTC 13.0 sm_90, prepare<128, 128, 3>
 // at launch bounds (256, 2)): 128 registers, 64 -> 0 spill bytes a thread, ~14,300 -> ~9,300 SASS
@@ -350,7 +333,6 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
                                         int per_block) {
     using L = PrepareSmem<KD, VD>;
     constexpr int THREADS = 256;
-    constexpr int WN = (KD / 8 + 1) / 2, UN = (VD / 8 + 1) / 2;  // n-tiles of W / U a warp makes (at most)
     extern __shared__ __align__(16) float smem[];
     float* ks = smem + L::K;
     float* qs = smem + L::Q;
@@ -373,9 +355,10 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
     const size_t row_len = (size_t)key_heads * KD;
 
     // k and q rows of the sub-chunk (zeros past n): thread tid copies the 16 bytes at column kc of
-    // rows kr + KR r (fixed slots: a pointer step a copy where a loop over e = tid, tid + THREADS, ...
+    // rows kr + r for r = 0, KR, 2 KR, ... (fixed slots: a pointer step a copy where a loop over e = tid, tid + THREADS, ...
     // redid the row arithmetic)
     constexpr int KR = THREADS / (KD / 4), VR = THREADS / (VD / 4);  // rows one pass of copies covers
+    static_assert(THREADS % (KD / 4) == 0 && THREADS % (VD / 4) == 0, "copy split: 16-byte pieces of a row divide the threads");
     const int kr = tid / (KD / 4), kc = 4 * (tid % (KD / 4));
     auto copy_k = [&](bool with_q) {
         const size_t k_at = (size_t)(lo + kr) * row_len + (size_t)kh * KD + kc;
@@ -482,15 +465,16 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
         for (int j = 0; j < C / 16; ++j) {
             const int col = col0 + 16 * j;
             float mv[4] = {0.f, 0.f, 0.f, 0.f};
-            if (j <= warp % 4)  // else M's zeros (A's entries there are never read)
+            if (j <= warp % 4) {  // else M's zeros (A's entries there are never read)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = gr + 8 * (e / 2), jj = col + e % 2;
-                const float ex = expf(__fsub_rn(cs[i], cj0[16 * j + e % 2]));  // made for all (no branch)
-                const float decay = jj <= i ? ex : 0.f;
-                a0[8 * (e / 2) * L::LC + 16 * j + e % 2] =
-                    jj < i ? __fmul_rn(__fmul_rn(bs[i], acc_k[j][e]), decay) : 0.f;
-                mv[e] = operand<SPLIT>(jj <= i ? __fmul_rn(acc_q[j][e], decay) : 0.f);
+                for (int e = 0; e < 4; ++e) {
+                    const int i = gr + 8 * (e / 2), jj = col + e % 2;
+                    const float ex = expf(__fsub_rn(cs[i], cj0[16 * j + e % 2]));  // made for all (no branch)
+                    const float decay = jj <= i ? ex : 0.f;
+                    a0[8 * (e / 2) * L::LC + 16 * j + e % 2] =
+                        jj < i ? __fmul_rn(__fmul_rn(bs[i], acc_k[j][e]), decay) : 0.f;
+                    mv[e] = operand<SPLIT>(jj <= i ? __fmul_rn(acc_q[j][e], decay) : 0.f);
+                }
             }
             *reinterpret_cast<float2*>(m + gr * C + col) = make_float2(mv[0], mv[1]);
             *reinterpret_cast<float2*>(m + (gr + 8) * C + col) = make_float2(mv[2], mv[3]);

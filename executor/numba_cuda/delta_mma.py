@@ -40,7 +40,9 @@ from executor.numba_cuda.launch import allow_dynamic_shared, fast
 SOURCE = Path(__file__).with_name("delta_mma.cu")
 """The CUDA C++ source of the device functions."""
 KEY_DIMS = (16, 32, 64, 128)
-"""Key dims (KD) the source is instantiated for (multiples of 16: the state's m-tiles)."""
+"""Key dims (KD) the source is instantiated for (multiples of 16: the state's m-tiles; at most
+128 since session 37: phase 1 keeps tf32(k - tf32(k)) in its A and T buffers before the first
+head, which hold 64 rows of at most 132 floats, a static_assert in delta_mma.cu)."""
 VALUE_DIMS = (8, 16, 32, 64, 128)
 """Value dims (VD) the source is instantiated for (multiples of 8: the mma n-tiles)."""
 

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from executor.numba_cuda import attention_prep, elementwise, gemv, norms
 from executor.numba_cuda.device import IS_SIMULATOR, empty, poisoned, to_device
@@ -78,10 +79,10 @@ def test_add_rms_norm_rejects_unroll_0():
                            out=to_device(np.zeros((2, 32), np.uint16)), threads=32)
 
 
-@pytest.mark.parametrize("rows,heads,dim", [(2, 3, 16), (5, 3, 128)])
+@pytest.mark.parametrize("rows,heads,dim", [(2, 3, 16), (5, 3, 128), (2, 9, 40)])
 def test_gated_rms_norm_reads_a_column_slice(rows, heads, dim):
-    """One warp per (row, head): dims below and above the 32 lanes, and a last block with
-    idle warps (3 heads of a row in a block of GATED_WARPS)."""
+    """One warp per (row, head): dims below and above the 32 lanes, a block with idle warps (3
+    heads of a row in a block of GATED_WARPS), and a row's heads over two blocks (9 heads)."""
     r = rng()
     x = r.normal(size=(rows, heads, dim)).astype(np.float32)
     wide = r.normal(size=(rows, 5 + heads * dim)).astype(np.float32)
@@ -90,6 +91,36 @@ def test_gated_rms_norm_reads_a_column_slice(rows, heads, dim):
         out = host(norms.gated_rms_norm(to_device(x), to_device(wide)[:, 5:], to_device(weight), 1e-6))
     ref = ops.gated_rms_norm(x, wide[:, 5:].reshape(rows, heads, dim), weight, 1e-6).reshape(rows, -1)
     assert_close("gated_rms_norm", ref, as_f32(out), BF16_TOL, rel=True)
+
+
+def _warp_sum_rows_kernel(count):
+    @cuda.jit
+    def kernel(values, out, ref):
+        # values: [count, 32] f32, a row per v entry; out[lane]: warp_sum_rows' result of the lane;
+        # ref[i]: warp_sum of row i (every lane gets it; lane 0 stores)
+        lane = cuda.threadIdx.x
+        scratch = cuda.shared.array((1, 32), np.float32)
+        v = cuda.local.array(count, np.float32)
+        for i in range(count):
+            total = norms.warp_sum(values[i, lane], scratch)
+            if lane == 0:
+                ref[i] = total
+            v[i] = values[i, lane]
+        out[lane] = norms.warp_sum_rows(v, count, scratch)
+
+    return kernel
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 8, 16, 32])
+def test_warp_sum_rows_is_warp_sum_of_each_row(count):
+    """Lane l gets row l >> (5 - log2 count)'s sum, bit for bit `warp_sum`'s (values over 30
+    binary orders, so another pairing of the adds would change low bits)."""
+    r = rng()
+    values = (np.exp2(r.uniform(-15, 15, (count, 32))) * r.choice([-1, 1], (count, 32))).astype(np.float32)
+    out, ref = empty(32, np.float32), empty(count, np.float32)
+    _warp_sum_rows_kernel(count)[1, 32](to_device(values), out, ref)
+    rows = np.arange(32) >> (5 - int(math.log2(count)))
+    np.testing.assert_array_equal(host(out).view(np.uint32), host(ref)[rows].view(np.uint32))
 
 
 def _lane_sum(squares, order):
@@ -233,12 +264,15 @@ def test_q_norm_rope(heads, head_dim, rotary):
     assert_close("q_norm_rope", ref, out, 1e-5, rel=True)
 
 
-def test_q_norm_rope_rows_per_block_changes_no_bit(monkeypatch):
+@pytest.mark.parametrize("per_block", [3, 8])
+def test_q_norm_rope_rows_per_block_changes_no_bit(monkeypatch, per_block):
     """A block that takes ROWS_PER_BLOCK rows (loading each row's dims while the row before it
-    is worked) gives every bit that one row a block gives: 7 rows (a last block of 3), heads
-    past a block, dims past a thread. A prefetch of the wrong row, or a row left out, fails."""
+    is worked) gives every bit that one row a block gives: 11 rows (3: blocks of 3, 3, 3, 2;
+    8: of 8, 3), heads past a block, dims past a thread. A prefetch of the wrong row, a block's
+    first row off, or a row left out, fails."""
+    monkeypatch.setattr(attention_prep, "ROWS_PER_BLOCK", per_block)
     r = rng()
-    rows, heads, head_dim, rotary = 7, 5, 160, 8
+    rows, heads, head_dim, rotary = 11, 5, 160, 8
     qg = r.normal(size=(rows, heads * 2 * head_dim)).astype(np.float32)
     weight = r.normal(0, 0.1, head_dim).astype(np.float32)
     positions = np.arange(40, 40 + rows, dtype=np.int32)
@@ -347,15 +381,19 @@ def test_last_row_rejects_mismatched_shapes():
                              to_device(np.ones(1, np.float32)))
 
 
-def test_kv_norm_rope_store_rows_per_block_changes_no_bit(monkeypatch):
+@pytest.mark.parametrize(("per_block", "kv_heads"), [(3, 2), (8, 5)])
+def test_kv_norm_rope_store_rows_per_block_changes_no_bit(monkeypatch, per_block, kv_heads):
     """Blocks of ROWS_PER_BLOCK rows write the same cache bits as one row a block, padding
-    rows (slot -1) inside a block included: 9 rows over three blocks, dims past a thread."""
+    rows (slot -1) inside a block included: 11 rows (3: blocks of 3, 3, 3, 2; 8: of 8, 3), dims
+    past a thread, and 5 K/V heads: a second block of heads with 3 idle groups that store
+    nothing."""
+    monkeypatch.setattr(attention_prep, "ROWS_PER_BLOCK", per_block)
     r = rng()
-    rows, kv_heads, head_dim, rotary, slots, capacity = 9, 2, 160, 8, 2, 12
+    rows, head_dim, rotary, slots, capacity = 11, 160, 8, 2, 12
     kv = r.normal(size=(rows, 2 * kv_heads * head_dim)).astype(np.float32)
     weight = r.normal(0, 0.1, head_dim).astype(np.float32)
-    positions = np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 8], np.int32)
-    slot = np.asarray([1, 1, -1, 1, 0, 0, -1, 0, 1], np.int32)
+    positions = np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], np.int32)
+    slot = np.asarray([1, 1, -1, 1, 0, 0, -1, 0, 1, -1, 0], np.int32)
     freqs = attention_prep.inv_freq(1e4, rotary)
     caches = []
     for few in (attention_prep.FEW_ROWS, 0):

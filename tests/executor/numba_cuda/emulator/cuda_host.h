@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -143,9 +144,16 @@ inline void copy16(float* dst, const float* src, bool live) {
 
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16 of 32-bit elements for the calling warp: lane l gives
 // the address of row l % 8 of matrix l / 8 (4 floats); register i of lane l gets float l % 4 of
-// row l / 4 of matrix i.
+// row l / 4 of matrix i. Aborts when a row is not a 16-byte aligned address in the block's shared
+// memory (the hardware's requirement). The row pointer goes through exchange slots 6-7, clear of
+// the 0-5 that mma_tf32 uses.
 inline void ldsm_x4(u32* r, const float* row) {
     const int w = g_fiber->tid / 32, l = g_fiber->tid % 32;
+    const std::ptrdiff_t at = reinterpret_cast<const char*>(row) - reinterpret_cast<const char*>(g_smem);
+    if (at < 0 || at % 16) {
+        std::fprintf(stderr, "ldmatrix row at byte %td of shared memory: not 16-byte aligned in it\n", at);
+        std::abort();
+    }
     std::memcpy(&g_exchange[w][l][6], &row, sizeof(row));
     warp_barrier();
     for (int i = 0; i < 4; ++i) {
