@@ -131,6 +131,21 @@ __device__ __forceinline__ void mma_split(float* d, const u32* ah, const u32* al
     mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 }
 
+// The 4 floats at x (16-byte aligned) as the pairs `split` makes: tf32(x) in place and, for SPLIT 3,
+// tf32(x - tf32(x)) at lo (16-byte aligned). Phase 1 stores k and T this way once for all readers.
+template <int SPLIT>
+__device__ __forceinline__ void split4_in_place(float* x, float* lo) {
+    const float4 x4 = *reinterpret_cast<const float4*>(x);
+    const float v[4] = {x4.x, x4.y, x4.z, x4.w};
+    u32 h[4], l[4];
+    split<SPLIT, 4>(h, l, v);
+    *reinterpret_cast<float4*>(x) =
+        make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]), __uint_as_float(h[3]));
+    if (SPLIT == 3)
+        *reinterpret_cast<float4*>(lo) =
+            make_float4(__uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
+}
+
 // x as the value a SPLIT-1 product will use (tf32), or x itself for SPLIT 3 (which splits it).
 template <int SPLIT>
 __device__ __forceinline__ float operand(float x) {
@@ -379,19 +394,7 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
     // W multiplies k itself, so the first head copies it again.
 #pragma unroll
     for (int r = 0; r < C; r += KR) {
-        if (KR <= C || kr < C) {
-            float* at = ks + (kr + r) * L::LK + kc;
-            const float4 x4 = *reinterpret_cast<const float4*>(at);
-            const float x[4] = {x4.x, x4.y, x4.z, x4.w};
-            u32 h[4], l[4];
-            split<SPLIT, 4>(h, l, x);
-            *reinterpret_cast<float4*>(at) =
-                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]),
-                            __uint_as_float(h[3]));
-            if (SPLIT == 3)
-                *reinterpret_cast<float4*>(kl + (kr + r) * L::LK + kc) = make_float4(
-                    __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
-        }
+        if (KR <= C || kr < C) split4_in_place<SPLIT>(ks + (kr + r) * L::LK + kc, kl + (kr + r) * L::LK + kc);
     }
     __syncthreads();
 
@@ -553,16 +556,7 @@ __device__ __forceinline__ void prepare(const float* q, const float* k, const fl
         // free now), made once here instead of by each warp that reads a fragment
         for (int e = tid; e < C * C / 4; e += THREADS) {
             const int i = e / (C / 4), c4 = (e % (C / 4)) * 4;
-            const float4 t = *reinterpret_cast<const float4*>(ts + i * L::LC + c4);
-            const float x[4] = {t.x, t.y, t.z, t.w};
-            u32 h[4], l[4];
-            split<SPLIT, 4>(h, l, x);
-            *reinterpret_cast<float4*>(ts + i * L::LC + c4) =
-                make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]),
-                            __uint_as_float(h[3]));
-            if (SPLIT == 3)
-                *reinterpret_cast<float4*>(as + i * L::LC + c4) = make_float4(
-                    __uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3]));
+            split4_in_place<SPLIT>(ts + i * L::LC + c4, as + i * L::LC + c4);
         }
         __syncthreads();
 

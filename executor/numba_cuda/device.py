@@ -596,10 +596,6 @@ if IS_SIMULATOR:
             return np.uint16((u >> 16) | 0x40)
         return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
-    def f32_to_bf16_32(x):
-        """`f32_to_bf16` (the same bits); on a GPU in 32-bit integer arithmetic."""
-        return f32_to_bf16(x)
-
     def round_bf16(x):
         """bf16_to_f32(f32_to_bf16(x)) (the same bits); on a GPU in 32-bit integer arithmetic."""
         return bf16_to_f32(f32_to_bf16(x))
@@ -612,24 +608,15 @@ else:
         """bf16 bits (uint16) to float32, exactly."""
         return libdevice.int_as_float(np.int32(np.int32(bits) << np.int32(16)))
 
+    # numba types uint32 + uint32 as uint64, and a 64-bit sum shifted right keeps its carry: a
+    # rounding written as one expression added and shifted in 64 bits (IADD3 + IADD3.X + SHF.R.U64
+    # a value in the SASS). The two below cast the sum back to uint32 before any shift, and LLVM
+    # then narrows the whole chain to 32 bits (session 37). Same bits: a non-NaN u is at most
+    # 0xFF800000 (-inf), so u + 0x7FFF + 1 never wraps 32 bits; NaN has its own branch.
+
     @cuda.jit(device=True, inline=True)
     def f32_to_bf16(x):
-        """float32 to bf16 bits, round to nearest even (NaN stays NaN)."""
-        u = np.uint32(libdevice.float_as_int(x))
-        if x != x:
-            return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
-        r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        return np.uint16(r)
-
-    # numba types uint32 + uint32 as uint64, and a 64-bit sum shifted right keeps its carry, so
-    # `f32_to_bf16` adds and shifts in 64 bits (IADD3 + IADD3.X + SHF.R.U64 a value in the SASS).
-    # The two below cast the sum back to uint32 before any shift, and LLVM then narrows the whole
-    # chain to 32 bits. Same bits: a non-NaN u is at most 0xFF800000 (-inf), so u + 0x7FFF + 1
-    # never wraps 32 bits; NaN takes the same branch as in `f32_to_bf16`.
-
-    @cuda.jit(device=True, inline=True)
-    def f32_to_bf16_32(x):
-        """`f32_to_bf16` (the same bits) in 32-bit integer arithmetic."""
+        """float32 to bf16 bits, round to nearest even (NaN stays NaN), in 32-bit arithmetic."""
         u = np.uint32(libdevice.float_as_int(x))
         if x != x:
             return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))

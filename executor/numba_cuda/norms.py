@@ -24,7 +24,6 @@ from executor.numba_cuda.device import (
     device_pointer,
     empty,
     f32_to_bf16,
-    f32_to_bf16_32,
 )
 from executor.numba_cuda.launch import fast
 
@@ -384,7 +383,7 @@ def _gated_rms_norm_kernel_for(dim: int, warps: int):
     from a 64-bit division and modulo of its pair number by the head count (a division routine a
     warp); now from the block's two grid indices. Lane and head are unsigned 32-bit values, so
     no index has wraparound or sign code, and the bf16 of an output is rounded in 32-bit
-    arithmetic (device.f32_to_bf16_32, the same bits): the 9B's 32K prefill's gated norms 15.7 ->
+    arithmetic (device.f32_to_bf16, the same bits): the 9B's 32K prefill's gated norms 15.7 ->
     11.5 ms on the H100, the same logits bits (bench/RESULTS.md, session 37)."""
     n = max(1, -(-dim // 32))  # values a lane holds
 
@@ -421,7 +420,7 @@ def _gated_rms_norm_kernel_for(dim: int, warps: int):
                 if i < dim:
                     g = gs[k]
                     silu = g / (_F32(1.0) + math.exp(-g))
-                    out[row, u32(col + i)] = f32_to_bf16_32(xs[k] * inv * weight[i] * silu)
+                    out[row, u32(col + i)] = f32_to_bf16(xs[k] * inv * weight[i] * silu)
 
     return _gated_rms_norm_kernel
 
