@@ -8,7 +8,7 @@ start + 1, ... of one slot, each against keys [0, its position]; out = bf16 of t
 sigmoid-gated attention output) and the same exactness: a row's bits depend only on its
 position, head and the cache, never on the chunk, tile or warp it sits in (the source's
 header gives the argument). Its bits differ from the matrix path's (online softmax over
-32-key blocks in 256-key segments, folded, instead of one pass over all keys), so a backend
+32-key blocks in 512-key segments, folded, instead of one pass over all keys), so a backend
 picks one path for good. A short chunk spreads its key segments over CTAs and folds their
 partials in a second kernel (`flash_combine`); a long one folds them in the CTA as it walks:
 the same bits (`SPLIT_VIRTUAL_ROWS`).
@@ -36,11 +36,13 @@ SOURCE = Path(__file__).with_name("flash_attention.cu")
 """The CUDA C++ source of the device functions."""
 BLOCK_KEYS = 32
 """Keys per block (BN in the source): blocks are anchored at key 0."""
-SEGMENT_BLOCKS = 8
+SEGMENT_BLOCKS = 16
 """Blocks per key segment (SEG_BLOCKS in the source): a row's softmax runs online inside a
-segment and the segments are folded in ascending order, in every chunk."""
+segment and the segments are folded in ascending order, in every chunk. 16 since session 38
+(8 before): the 9B's wgmma walk 0.93x the time at 8,192 rows from 24,576 (half the folds), a
+split of a short chunk half the CTAs (bench/RESULTS.md, session 38)."""
 SEGMENT_KEYS = SEGMENT_BLOCKS * BLOCK_KEYS
-"""Keys per segment (256): segments are anchored at key 0."""
+"""Keys per segment (512): segments are anchored at key 0."""
 WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
 """Warps per CTA for each head_dim (16 virtual rows a warp); the source also instantiates
 other counts at 128 and 256 (VARIANTS, for benchmarks and tests)."""
@@ -59,13 +61,13 @@ tiles and walk their segments in one CTA, folding as they go: the same bits eith
 SPLIT_GRID_Z = 16
 """CTAs a (tile, K/V head) of a split launched for a captured chunk (`prefill` with meta and
 no keys), whose key count is read on the device at each replay: CTA z takes segments z,
-z + 16, ... (27B, 51 rows at 1,984 keys: 8 segments, one each). A launch that knows its keys
+z + 16, ... (27B, 51 rows at 1,984 keys: 4 segments, one each). A launch that knows its keys
 (an eager chunk) has one CTA a segment."""
 SPLIT_SCRATCH_BYTES = 512 << 20
 """Most bytes a split's partials may take (f32 [segments, rows, q_heads, head_dim + 2]);
 past it the chunk walks its segments in one CTA (the same bits, 5-9x slower at short
 chunks). A captured chunk sizes them for the cache's capacity: 27B, the 64-row bucket at the
-server's default 32,768 rows takes 203 MB in the graphs' pool, and past ~86,000 rows of
+server's default 32,768 rows takes 101 MB in the graphs' pool, and past ~173,000 rows of
 `--context` its chunks walk."""
 MAX_SHARED_BYTES = 232_448
 """Dynamic shared memory a CTA may take on sm_90 (227 KB)."""

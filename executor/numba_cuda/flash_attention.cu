@@ -14,9 +14,10 @@
 // are mma.sync.m16n8k16 (bf16 in, fp32 accumulate; fragments through ldmatrix, V's
 // transposed). Scores are kept in log2 units (x = s * scale * log2 e) and a row's softmax
 // is online over the blocks of a key segment (SEG_BLOCKS blocks, anchored at key 0) in
-// ascending order: m = max(m, blockmax), alpha = 2^(m_old - m), p = bf16(2^(x - m))
-// (ex2.approx, cvt.rn.bf16x2), l = l * alpha + sum(p), O = O * alpha + P V; the O rescale is
-// skipped when no row of the warp moved its max (alpha = 1 exactly: the same bits), and the
+// ascending order with a lazy max: m = blockmax when m = -inf or blockmax > m + LAZY_LOG2 (8),
+// else m stays, alpha = 2^(m_old - m), p = bf16(2^(x - m)) <= 256 (ex2.approx, cvt.rn.bf16x2),
+// l = l * alpha + sum(p), O = O * alpha + P V; the O rescale is skipped when no row of the warp
+// moved its m (alpha = 1 exactly: the same bits), which the lazy max makes the rule, and the
 // causal mask is applied only on blocks that reach past the warp's first position. The
 // segments' (m, l, O) are then folded in ascending order (`fold`): in the CTA that walks
 // them all (a long chunk), or, for a short chunk whose few CTAs would leave most SMs idle
@@ -48,6 +49,11 @@ typedef unsigned short bf16_t;
 typedef unsigned int u32;
 
 #define NEG_INF __int_as_float(0xff800000)
+// The lazy max's margin in log2 units (block_probs): a row's running m moves only when a block's
+// top score passes it by more than this, so p <= 2^8 (FlashAttention-4's conditional rescale,
+// flash-attn's CuTe DSL kernels for Blackwell: the same 8.0). bf16 p keeps its 8 significant
+// bits at any scale; l and O (fp32) grow by at most 256x over a max-subtracted softmax.
+#define LAZY_LOG2 8.0f
 
 // Two floats to packed bf16 (lo in the low half), round to nearest even: one cvt.
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -174,7 +180,7 @@ __device__ __forceinline__ void block_scores(float (&s)[BN / 8][4], const u32 (&
     }
 }
 
-// The online softmax over block b: scale and mask S, move m and l, give P as bf16 A fragments
+// The online softmax over block b: scale and mask S, move m (lazily) and l, give P as bf16 A fragments
 // and O's scale alpha (O itself is not touched: `rescale`). FRESH_ONE: alpha = 1, not 0, for a
 // row whose segment had no key before the block (the same bits, below); the lookahead walk keeps
 // 0, since ptxas then moves the two alphas' exponentials out of its overlap window (16 of 18
@@ -199,11 +205,16 @@ __device__ __forceinline__ void block_probs(u32 (&pf)[BN / 16][4], float (&alpha
         }
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-        const float fresh = fmaxf(m[r], top);
+        // The lazy max (FlashAttention-4's conditional rescale): m moves only when the block's
+        // top passes it by more than LAZY_LOG2, so p = 2^(x - m) <= 2^LAZY_LOG2 = 256 and O, l
+        // keep their scale (alpha = 1) on nearly every block. A row with no key yet (m = -inf)
+        // takes the top. (The segments' fold needs no max: any m a segment's p are relative to
+        // folds the same way.)
+        const float fresh = m[r] == NEG_INF || top > __fadd_rn(m[r], LAZY_LOG2) ? top : m[r];
         // a row with no key yet in its segment (every x = -inf so far): base 0, so p = 0 (not
-        // 2^(-inf + inf) = NaN); any other row: base = its max, as ever
+        // 2^(-inf + inf) = NaN); any other row: base = its m
         const float base = fresh == NEG_INF ? 0.0f : fresh;
-        // alpha: exactly 1 when the max holds. A row whose segment had no key before this block
+        // alpha: exactly 1 when m holds. A row whose segment had no key before this block
         // (m = -inf: its first block, or every key so far masked) has l = 0 and O = 0 (reset, then
         // only p = 0 added; K and V finite, as everywhere here), so scaling them by 2^(-inf) = 0 or
         // by 1 gives the same bits; 1 lets
@@ -408,7 +419,7 @@ __device__ __forceinline__ void walk_blocks(bf16_t* ring, const bf16_t* kbase, c
 // `flash_combine` folds) and give every row the bits of a long chunk, whose CTAs walk every
 // segment and fold as they go (not SPLIT: O's running total in shared memory, 16 KB a warp at
 // head_dim 256, M and L in registers).
-#define SEG_BLOCKS 8
+#define SEG_BLOCKS 16
 
 // The partials of a split (f32, row-major): o [segments, pstride, q_heads, D] and ml
 // [segments, pstride, q_heads, 2] = (m in log2 units, l), rows at their chunk row.

@@ -1,5 +1,5 @@
 // Prefill attention's walk with its two products on wgmma (sm_90a): flash_attention.cu's walk
-// (`flash_prefill<256, 8, 32, 3, false>`: one CTA of 8 warps walks every 256-key segment of its
+// (`flash_prefill<256, 8, 32, 3, false>`: one CTA of 8 warps walks every 512-key segment of its
 // 128 virtual rows, folding as it goes) with
 //   S = Q K_b^T   wgmma m64n32k16, Q from registers (load_q's fragments), K_b from shared memory,
 //                 K-major;

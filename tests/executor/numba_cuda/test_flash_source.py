@@ -25,7 +25,7 @@ def test_the_source_instantiates_exactly_the_variants():
     combines = {tuple(int(x) for x in m) for m in COMBINES.findall(source)}
     assert combines == {(d, attention_flash.BLOCK_KEYS) for d in attention_flash.WARPS}
     assert [int(x) for x in SEG_BLOCKS.findall(source)] == [attention_flash.SEGMENT_BLOCKS]
-    assert attention_flash.SEGMENT_KEYS == 256
+    assert attention_flash.SEGMENT_KEYS == 512
 
 
 def test_every_warps_count_runs_at_its_default_ring_depth_and_fits():
@@ -47,11 +47,12 @@ def test_shared_bytes_of_the_ring_and_the_running_outputs():
 
 def test_split_segments_follows_rows_keys_and_scratch():
     seg = attention_flash.split_segments
-    assert seg(51, 24, 4, 256, 2035) == 8  # the 27B's off-grid continuation: 306 virtual rows
-    assert seg(64, 24, 4, 256, 32768) == 128  # its captured bucket, sized for the capacity: 203 MB
+    assert seg(51, 24, 4, 256, 2035) == 4  # the 27B's off-grid continuation: 306 virtual rows
+    assert seg(64, 24, 4, 256, 32768) == 64  # its captured bucket, sized for the capacity: 101 MB
     assert seg(86, 24, 4, 256, 2035) == 0  # 516 virtual rows: walk
-    assert seg(51, 24, 4, 256, 256) == 0  # one segment: nothing to split
-    assert seg(128, 16, 4, 256, 262144) == 0  # 1,024 segments of partials: 1.1 GB, walk
+    assert seg(51, 24, 4, 256, 512) == 0  # one segment: nothing to split
+    assert seg(51, 24, 4, 256, 513) == 2
+    assert seg(128, 16, 4, 256, 262144) == 0  # 512 segments of partials: 1.1 GB, walk
 
 
 def test_rms_norm_source_instantiates_exactly_the_fused_variants():

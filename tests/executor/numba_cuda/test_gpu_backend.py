@@ -103,28 +103,40 @@ def _matrix_attention_roundings(q, k, v, start):
     return out
 
 
-def _flash_attention_roundings(q, k, v, start, block=32):
-    """ops.attention with the fused prefill's roundings (attention_flash.py): q in bf16, an
-    online softmax over key blocks of `block` rows from key 0, each block's probabilities
-    rounded to bf16 against the running max, the sum over the rounded ones."""
+def _flash_attention_roundings(q, k, v, start, block=32, segment=512, lazy=8.0):
+    """ops.attention with the fused prefill's roundings (attention_flash.py, flash_attention.cu):
+    q in bf16; key segments of `segment` keys from key 0, each an online softmax over blocks of
+    `block` keys with the lazy max (m moves to a block's top only when that passes it by more
+    than `lazy` in log2 units), each block's probabilities rounded to bf16 against m, the sum
+    over the rounded ones; the segments folded in ascending order."""
     from executor.safetensors_file import bf16_to_f32, f32_to_bf16
 
     r = lambda a: bf16_to_f32(f32_to_bf16(np.asarray(a, np.float32)))  # noqa: E731
     rows, heads, head_dim = q.shape
     group, keys = heads // k.shape[1], start + rows
+    margin = lazy * np.log(2.0)
     out = np.empty((rows, heads, head_dim), np.float32)
     qb = r(q).astype(np.float64)
-    for h in range(heads):
-        kh, vh = k[:keys, h // group].astype(np.float64), v[:keys, h // group].astype(np.float64)
-        s = ((qb[:, h] @ kh.T).astype(np.float32) * np.float32(head_dim**-0.5)).astype(np.float64)
-        s[np.arange(keys)[None, :] > (start + np.arange(rows))[:, None]] = -np.inf
-        m, total, o = np.full(rows, -np.inf), np.zeros(rows), np.zeros((rows, head_dim))
-        for b in range(0, keys, block):
-            fresh = np.maximum(m, s[:, b:b + block].max(axis=1))
-            alpha = np.exp(m - fresh)
-            p = r(np.exp(s[:, b:b + block] - fresh[:, None])).astype(np.float64)
-            total, o, m = total * alpha + p.sum(axis=1), o * alpha[:, None] + p @ vh[b:b + block], fresh
-        out[:, h] = o / total[:, None]
+    with np.errstate(invalid="ignore"):  # exp(-inf - -inf) for rows a segment does not reach: masked below
+        for h in range(heads):
+            kh, vh = k[:keys, h // group].astype(np.float64), v[:keys, h // group].astype(np.float64)
+            s = ((qb[:, h] @ kh.T).astype(np.float32) * np.float32(head_dim**-0.5)).astype(np.float64)
+            s[np.arange(keys)[None, :] > (start + np.arange(rows))[:, None]] = -np.inf
+            big_m, big_l, big_o = np.full(rows, -np.inf), np.zeros(rows), np.zeros((rows, head_dim))
+            for s0 in range(0, keys, segment):
+                m, total, o = np.full(rows, -np.inf), np.zeros(rows), np.zeros((rows, head_dim))
+                for b in range(s0, min(s0 + segment, keys), block):
+                    top = s[:, b:b + block].max(axis=1)
+                    fresh = np.where((m == -np.inf) | (top > m + margin), top, m)
+                    alpha = np.where(m == -np.inf, 0.0, np.exp(m - fresh))
+                    p = r(np.exp(s[:, b:b + block] - np.where(fresh == -np.inf, 0.0, fresh)[:, None])).astype(np.float64)
+                    total, o, m = total * alpha + p.sum(axis=1), o * alpha[:, None] + p @ vh[b:b + block], fresh
+                reached = m > -np.inf
+                new_m = np.where(reached, np.maximum(big_m, m), big_m)
+                c1 = np.where(big_m == -np.inf, 0.0, np.exp(big_m - new_m))
+                c2 = np.where(reached, np.exp(m - new_m), 0.0)
+                big_l, big_o, big_m = big_l * c1 + total * c2, big_o * c1[:, None] + o * c2[:, None], new_m
+            out[:, h] = big_o / big_l[:, None]
     return out
 
 
@@ -147,7 +159,8 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     errors, rt, gt = _teacher_forced(*models, steps_out=steps)
     print(f"vs bf16-emulating reference: max {max(errors):.2e} median {np.median(errors):.2e}")
     # Measured on the H200: gva-untied max 2.3e-3, tied-deep max 1.1e-2 / median 3.0e-3 (a
-    # bf16 probability that rounds the other way, carried through eight layers)
+    # bf16 probability that rounds the other way, carried through eight layers). Session 38's
+    # lazy max with the old emulator (the exact max, no segments): tied-deep max 5.5e-2
     assert max(errors) < 2e-2 and np.median(errors) < 5e-3
     # greedy equal, except where the reference's two picks are closer than the run's measured
     # logit error (the median over steps of the largest |deviation|: the issue's exception)

@@ -24,7 +24,7 @@ from executor.numba_cuda import attention_flash  # noqa: E402
 from executor.numba_cuda.attention_mm import MatrixAttention  # noqa: E402
 from executor.numba_cuda.device import poisoned, to_device  # noqa: E402
 from tests.executor.numba_cuda.cases_attention_mm import _emulated, _ref, _setup  # noqa: E402
-from tests.executor.numba_cuda.kernel_support import as_f32, host, rng, walk_statuses  # noqa: E402
+from tests.executor.numba_cuda.kernel_support import as_f32, bf16, host, rng, walk_statuses  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
 TOL = 8e-3
@@ -59,6 +59,30 @@ def test_flash_matches_twins(heads, kv_heads, head_dim, start, rows):
         with poisoned():
             mm = host(matrix.prefill(to_device(q), to_device(qg), kc, vc, 1, start))
         assert_close("vs the matrix path", as_f32(mm), out, TOL, rel=True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,q_scale,planted", [
+    (4, 2, 64, 4.0, False), (16, 4, 256, 4.0, False), (16, 4, 256, 1.0, True), (8, 2, 128, 1.0, True),
+])
+def test_flash_lazy_max_matches_the_twin_when_scores_jump(heads, kv_heads, head_dim, q_scale, planted):
+    """The lazy max (flash_attention.cu, LAZY_LOG2 = 8): a row's m moves only when a block's top
+    passes it by more than 8 in log2 units. Scores 4x wider than the other cases' move m on some
+    blocks and not on others; a planted key (row 300, inside the first 512-key segment's second half) scores
+    ~270 log2 units over every other key of K/V head 0, so a walk that kept a stale m there
+    would give 2^270 = inf. Both against the float64 twin and the emulated roundings."""
+    r = rng()
+    kh, vh, _, _ = _setup(r, heads, kv_heads, head_dim, capacity=1024, slots=1)
+    start, rows = 0, 600
+    q, qg = _inputs(r, rows, heads, head_dim)
+    q *= np.float32(q_scale)
+    if planted:
+        q[:, :, 0] = 10.0
+        kh[0, 300, 0, 0] = bf16(np.array([300.0]))[0]  # exactly 300 in bf16
+    out = as_f32(_run(q, qg, to_device(kh), to_device(vh), 0, start))
+    assert np.isfinite(out).all()
+    k, v = as_f32(kh[0]), as_f32(vh[0])
+    assert_close("vs float64 twin", _ref(q, qg, k, v, start), out, TOL, rel=True)
+    assert_close("vs emulated roundings", _emulated(q, qg, k, v, start).astype(np.float32), out, TOL, rel=True)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 2, 32), (3, 3, 64), (8, 2, 128), (16, 4, 256),
@@ -115,13 +139,13 @@ def test_flash_bits_do_not_depend_on_the_ring_depth(heads, kv_heads, head_dim, s
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,start,rows", [
-    (24, 4, 256, 1984, 51), (24, 4, 256, 4000, 16), (16, 4, 256, 250, 300), (8, 2, 128, 511, 90), (4, 2, 16, 255, 70),
+    (24, 4, 256, 1984, 51), (24, 4, 256, 4000, 16), (16, 4, 256, 250, 300), (8, 2, 128, 511, 90), (4, 2, 16, 500, 70),
     (6, 2, 32, 0, 600),
 ])
 def test_a_split_gives_the_walk_s_bits(heads, kv_heads, head_dim, start, rows):
     """Key segments spread over CTAs and folded by flash_combine give every row the bits of
     one CTA walking them all (the chunk sizes at which prefill switches, and rows that start,
-    end and straddle 256-key segments)."""
+    end and straddle 512-key segments)."""
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=4096, slots=1)
     q, qg = _inputs(r, rows, heads, head_dim)
@@ -141,9 +165,9 @@ def test_a_captured_split_reads_rows_and_start_from_meta(start, used):
     from executor.numba_cuda.device import chunk_meta
     r = rng()
     heads, kv_heads, head_dim, padded = 24, 4, 256, 64
-    _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=8192, slots=2)
+    _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=16384, slots=2)
     q, qg = _inputs(r, padded, heads, head_dim)
-    assert attention_flash.split_segments(padded, heads, kv_heads, head_dim, 8192) == 32
+    assert attention_flash.split_segments(padded, heads, kv_heads, head_dim, 16384) == 32  # two a CTA
     meta = chunk_meta(None, used, start, 1)
     out = to_device(np.full((padded, heads * head_dim), 0x7FC1, np.uint16))
     with poisoned():
@@ -256,7 +280,7 @@ def test_the_wgmma_walk_runs_on_the_h200(monkeypatch):
 def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, rows, slot, tma, lookahead):
     """Every output bit of the wgmma walk equals the mma.sync walk's: the 27B's off-grid
     chunk and a long one from 0, the 9B's heads, a 2B-like 8 on 2, one row, a short chunk deep
-    in the cache, rows straddling 256-key segments and partial 128-row tiles, slot 0 and 1 (q
+    in the cache, rows straddling 512-key segments and partial 128-row tiles, slot 0 and 1 (q
     scaled so the softmax's maxima move)."""
     _skip_without(tma)
     r = rng()
