@@ -294,7 +294,8 @@ def wgmma_status() -> str | None:
     built (`attention_wgmma.unavailable`, or NVRTC fails), WARMSTATE_FLASH_WGMMA=0 turned it off,
     the check below raised (a launch or copy error: its type and message), or its bits differ from
     the mma.sync walk's on that check, run now (random q, K, V and gates, 4 query heads on 1 K/V
-    head, 300 rows from 200 and 96 from 0: masked and unmasked blocks, several segments, a partial
+    head, 300 rows from 450 and 96 from 0: masked and unmasked blocks, two segments with a fold
+    partway through the walk, a partial
     last tile, slot 1 of 2). Decided once a process, whatever the outcome; it launches and
     synchronizes, so the first prefill calls it before any stream capture."""
     if os.environ.get("WARMSTATE_FLASH_WGMMA", "1").strip() == "0":
@@ -358,10 +359,10 @@ def _wgmma_check(tma: bool = False, lookahead: bool = False) -> str | None:
     """`wgmma_status`'s bit check (tma: `tma_status`'s, the TMA walk; lookahead:
     `lookahead_status`'s): None when the wgmma walk gives every bit of the mma.sync walk."""
     rng = np.random.default_rng(27)
-    d, q_heads, capacity = attention_wgmma.HEAD_DIM, 4, 512
+    d, q_heads, capacity = attention_wgmma.HEAD_DIM, 4, 1024
     caches = (rng.standard_normal((2, 2, capacity, 1, d)) * 2).astype(np.float32)
     bits = [cuda.to_device((c.view(np.uint32) >> 16).astype(np.uint16)) for c in caches]
-    for rows, start in ((300, 200), (96, 0)):
+    for rows, start in ((300, 450), (96, 0)):  # keys 0-749: two 512-key segments
         q = cuda.to_device((rng.standard_normal((rows, q_heads, d)) * 3).astype(np.float32))
         qg = cuda.to_device(rng.standard_normal((rows, q_heads * 2 * d)).astype(np.float32))
         want = prefill(q, qg, *bits, 1, start, split=False, wgmma=False).copy_to_host()

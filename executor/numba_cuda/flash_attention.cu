@@ -236,7 +236,7 @@ __device__ __forceinline__ void block_probs(u32 (&pf)[BN / 16][4], float (&alpha
     }
 }
 
-// O *= alpha, skipped when every row of the warp kept its max (alpha = 1: the same bits).
+// O *= alpha, skipped when every row of the warp kept its m (alpha = 1: the same bits).
 template <int D>
 __device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
@@ -454,7 +454,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const float* qg, c
         load_q<D>(qf, q, row, head, q_heads, t);
     }
     float acc[D / 8][4];
-    float m[2], l[2];  // the segment's running max (log2 units) and this thread's share of its sum
+    float m[2], l[2];  // the segment's running m (the lazy max, log2 units) and this thread's share of its sum
 
     const size_t row_stride = (size_t)kv_heads * D;
     const bf16_t* kbase = kc + (size_t)h * D;

@@ -42,6 +42,14 @@ def _inputs(r, rows, heads, head_dim):
     return q, qg
 
 
+def _wide_inputs(r, rows, heads, head_dim):
+    """`_inputs` with q 4x: scores wide enough that the lazy max moves partway through a segment
+    (~2% of blocks, ~20% of a warp's blocks at head_dim 256; with q 1x it never does), so the bit
+    tests run O's rescale in some warps and not in others."""
+    q, qg = _inputs(r, rows, heads, head_dim)
+    return q * np.float32(4), qg
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,start,rows", [
     (4, 2, 16, 9, 13), (6, 2, 32, 0, 70), (3, 3, 64, 31, 40), (8, 2, 128, 5, 100), (16, 4, 256, 100, 150),
     (24, 4, 256, 0, 33),
@@ -68,8 +76,8 @@ def test_flash_lazy_max_matches_the_twin_when_scores_jump(heads, kv_heads, head_
     """The lazy max (flash_attention.cu, LAZY_LOG2 = 8): a row's m moves only when a block's top
     passes it by more than 8 in log2 units. Scores 4x wider than the other cases' move m on some
     blocks and not on others; a planted key (row 300, inside the first 512-key segment's second half) scores
-    ~270 log2 units over every other key of K/V head 0, so a walk that kept a stale m there
-    would give 2^270 = inf. Both against the float64 twin and the emulated roundings."""
+    ~270 log2 units (at head_dim 256; ~380 at 128) over every other key of K/V head 0, so a walk
+    that kept a stale m there would give 2^270 = inf. Both against the float64 twin and the emulated roundings."""
     r = rng()
     kh, vh, _, _ = _setup(r, heads, kv_heads, head_dim, capacity=1024, slots=1)
     start, rows = 0, 600
@@ -93,7 +101,7 @@ def test_flash_rows_invariant_across_chunks_cuts_and_tails(heads, kv_heads, head
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=1024, slots=1)
     rows = 700
-    q, qg = _inputs(r, rows, heads, head_dim)
+    q, qg = _wide_inputs(r, rows, heads, head_dim)
     whole = _run(q, qg, kc, vc, 0, 0)
     for cuts in ([0, 64, 448, 700], [0, 37, 101, 102, 700], [0, 699, 700]):
         pieces = np.concatenate([_run(q[a:b], qg[a:b], kc, vc, 0, a) for a, b in zip(cuts, cuts[1:])])
@@ -107,7 +115,7 @@ def test_flash_bits_do_not_depend_on_warps_per_cta(heads, kv_heads):
     variant gives every row the same bits."""
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, 256, capacity=1024, slots=1)
-    q, qg = _inputs(r, 301, heads, 256)
+    q, qg = _wide_inputs(r, 301, heads, 256)
     with poisoned():
         runs = [host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, 100, warps=w, wgmma=False))
                 for w in (1, 2, 4, 8)]
@@ -125,7 +133,7 @@ def test_flash_bits_do_not_depend_on_the_ring_depth(heads, kv_heads, head_dim, s
     ring) among them, and blocks fewer than a ring's depth (70 rows at 0)."""
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=2048, slots=1)
-    q, qg = _inputs(r, rows, heads, head_dim)
+    q, qg = _wide_inputs(r, rows, heads, head_dim)
     variants = sorted((w, st, sp) for d, w, st in attention_flash.VARIANTS if d == head_dim for sp in (False, True))
     assert len({st for _, st, _ in variants}) > 1 or head_dim != 256
     with poisoned():
@@ -148,7 +156,7 @@ def test_a_split_gives_the_walk_s_bits(heads, kv_heads, head_dim, start, rows):
     end and straddle 512-key segments)."""
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=4096, slots=1)
-    q, qg = _inputs(r, rows, heads, head_dim)
+    q, qg = _wide_inputs(r, rows, heads, head_dim)
     with poisoned():
         walk = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, split=False))
         split = host(attention_flash.prefill(to_device(q), to_device(qg), kc, vc, 0, start, split=True))
@@ -156,7 +164,7 @@ def test_a_split_gives_the_walk_s_bits(heads, kv_heads, head_dim, start, rows):
     np.testing.assert_array_equal(_run(q, qg, kc, vc, 0, start), walk)
 
 
-@pytest.mark.parametrize("start,used", [(1984, 51), (4500, 64), (0, 1), (300, 7)])
+@pytest.mark.parametrize("start,used", [(1984, 51), (4500, 64), (0, 1), (300, 7), (12000, 64)])
 def test_a_captured_split_reads_rows_and_start_from_meta(start, used):
     """A chunk launched for a graph (meta on the device, 64 padded rows, partials for the
     capacity's segments, 16 CTAs a tile taking segments z, z + 16, ...) gives its rows in use
@@ -167,7 +175,8 @@ def test_a_captured_split_reads_rows_and_start_from_meta(start, used):
     heads, kv_heads, head_dim, padded = 24, 4, 256, 64
     _, _, kc, vc = _setup(r, heads, kv_heads, head_dim, capacity=16384, slots=2)
     q, qg = _inputs(r, padded, heads, head_dim)
-    assert attention_flash.split_segments(padded, heads, kv_heads, head_dim, 16384) == 32  # two a CTA
+    assert attention_flash.split_segments(padded, heads, kv_heads, head_dim, 16384) == 32
+    # at 12,000 from the start the tile's 24 segments go two to CTAs 0-7: the z + 16 loop runs
     meta = chunk_meta(None, used, start, 1)
     out = to_device(np.full((padded, heads * head_dim), 0x7FC1, np.uint16))
     with poisoned():
@@ -281,7 +290,7 @@ def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(heads, kv_heads, start, r
     """Every output bit of the wgmma walk equals the mma.sync walk's: the 27B's off-grid
     chunk and a long one from 0, the 9B's heads, a 2B-like 8 on 2, one row, a short chunk deep
     in the cache, rows straddling 512-key segments and partial 128-row tiles, slot 0 and 1 (q
-    scaled so the softmax's maxima move)."""
+    scaled so the lazy max moves on some blocks)."""
     _skip_without(tma)
     r = rng()
     _, _, kc, vc = _setup(r, heads, kv_heads, 256, capacity=4096, slots=2)
