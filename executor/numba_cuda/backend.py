@@ -68,6 +68,9 @@ PREFILL_DELTA_ENV = "WARMSTATE_PREFILL_DELTA"
 RESIDUAL_ACCUMULATE_ENV = "WARMSTATE_RESIDUAL_ACCUMULATE"
 """Environment variable: "0" keeps prefill's output projections out of the residual stream
 (NumbaCudaBackend.residual_accumulate off: the A side of an A/B; the same bits either way)."""
+GATE_UP_BF16_ENV = "WARMSTATE_GATE_UP_BF16"
+"""Environment variable: "0" keeps prefill's gate|up product in f32 for SwiGLU to round
+(NumbaCudaBackend.gate_up_bf16 off: the A side of an A/B; the same bits either way)."""
 
 
 def _check_path_change(what: str, paths: Sequence[str], current: str | None, path: str, fixed: bool) -> None:
@@ -146,6 +149,13 @@ class NumbaCudaBackend:
         captured with (`enable_prefill_graphs` again to change it there)."""
         self.accumulate_refused: dict[tuple[int, int], str] = {}
         """(N, K) -> why that projection shape gives its product to the norm instead (logged once)."""
+        self.gate_up_bf16: bool = os.environ.get(GATE_UP_BF16_ENV, "1") != "0"
+        """Prefill chunks of more than 1,024 rows take the MLP's gate|up product in bf16 from
+        cuBLASLt's epilogue (`Gemm.matmul(..., bf16=True)`, where `Gemm.bf16_ready`), so SwiGLU
+        reads 4 bytes an element, not 8, and the GEMM writes half. The same bits on or off: SwiGLU
+        rounds gate and up to bf16 first (`elementwise.swiglu`), and the bf16 algorithm's output
+        is checked to be that rounding (`Gemm.bf16_algo`). Read at launch time, like
+        `residual_accumulate`."""
         self.flash_lookahead: bool | None = None
         """Prefill attention's wgmma walk in FlashAttention-3's order (attention_wgmma.LOOKAHEAD_KERNEL)
         when True, the backend's walk when False, and when None as `attention_flash.lookahead_status`
@@ -449,6 +459,17 @@ class NumbaCudaBackend:
         self.gemm.matmul(a, weight, out=x, stream=stream, accumulate=True)
         return None
 
+    def _gate_up(self, h, weight, mm, stream):
+        """The MLP's gate|up product of rows h for SwiGLU: bf16 (uint16 [rows, 2 * inter]) from
+        cuBLASLt's epilogue when `gate_up_bf16` is on, this is prefill (cuBLASLt) and the GEMM has
+        a bf16 algorithm for this many rows (`Gemm.bf16_ready`: more than 1,024), else f32; the
+        same bits after SwiGLU either way."""
+        if self.gate_up_bf16 and mm == self.gemm.matmul:
+            n, k = weight.shape
+            if self.gemm.bf16_ready(h.shape[0], n, k):
+                return self.gemm.matmul(h, weight, stream=stream, bf16=True)
+        return mm(h, weight, stream=stream)
+
     def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, at, first_tail: int,
                  want_logits: bool, stream=0, meta=None, padded: bool = False):
         """Run the rows through every layer; returns device logits f32 [lanes or 1, vocab]
@@ -490,7 +511,7 @@ class NumbaCudaBackend:
                 x = x[first:]
             y = self._into_residual(a, w[proj], x, mm, stream)
             h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y, stream=stream, threads=norm_threads)
-            delta = self._into_residual(elementwise.swiglu(mm(h, w["gate_up"], stream=stream), stream=stream),
+            delta = self._into_residual(elementwise.swiglu(self._gate_up(h, w["gate_up"], mm, stream), stream=stream),
                                         w["down"], x, mm, stream)
         if not want_logits:
             return None

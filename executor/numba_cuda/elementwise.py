@@ -1,7 +1,9 @@
 """Elementwise kernels: the embedding gather, the SwiGLU product and the logits row of a
 padded prefill.
 
-Twins: `ops.embed` and `ops.silu(gate) * up` (the middle of `ops.swiglu_mlp`). The
+Twins: `ops.embed` and `ops.silu(gate) * up` (the middle of `ops.swiglu_mlp`) on gate and up
+rounded to bf16 (transformers' bf16 Linear outputs them so; since session 38 the backend's
+long prefill chunks get them from cuBLASLt's bf16 epilogue, `gemm.Gemm.bf16_algo`). The
 attention output gate is fused into attention's combine (attention.py); residual adds
 into the next norm (norms.py).
 """
@@ -13,8 +15,17 @@ import math
 import numpy as np
 from numba import cuda, uint32 as u32
 
-from executor.numba_cuda.device import IS_SIMULATOR, THREADS, bf16_to_f32, blocks, check, empty, f32_to_bf16
-from executor.numba_cuda.gemv import WORD, vector_load
+from executor.numba_cuda.device import (
+    IS_SIMULATOR,
+    THREADS,
+    bf16_to_f32,
+    blocks,
+    check,
+    empty,
+    f32_to_bf16,
+    round_bf16,
+)
+from executor.numba_cuda.gemv import WORD, bf16_hi, bf16_lo, vector_load
 from executor.numba_cuda.launch import fast
 
 _F32 = np.float32
@@ -45,6 +56,20 @@ def embed(token_ids, table, out=None, stream=0):
     return out
 
 
+@cuda.jit(device=True, inline=True)
+def _silu_mul(g, u):
+    # bf16(silu(g) * u) of two bf16 values (as f32)
+    silu = g / (_F32(1.0) + math.exp(-g))
+    return f32_to_bf16(silu * u)
+
+
+@cuda.jit(device=True, inline=True)
+def _swiglu1(g, u):
+    # bf16(silu(bf16(g)) * bf16(u)) of two f32 values: the bits of _silu_mul on the bf16 epilogue's
+    # outputs (round_bf16: f32_to_bf16 then back, in 32-bit arithmetic)
+    return _silu_mul(round_bf16(g), round_bf16(u))
+
+
 @fast
 @cuda.jit
 def _swiglu_kernel(gate_up, out):
@@ -53,9 +78,32 @@ def _swiglu_kernel(gate_up, out):
     i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
     inter = out.shape[1]
     if i < inter:
-        g = gate_up[row, i]
-        silu = g / (_F32(1.0) + math.exp(-g))
-        out[row, i] = f32_to_bf16(silu * gate_up[row, inter + i])
+        out[row, i] = _swiglu1(gate_up[row, i], gate_up[row, inter + i])
+
+
+@cuda.jit(device=True, inline=True)
+def _swiglu_word(g, u):
+    # the word of two bf16 outputs from a word of two gates and a word of two ups (low half first)
+    return u32(_silu_mul(bf16_lo(g), bf16_lo(u))) | (u32(_silu_mul(bf16_hi(g), bf16_hi(u))) << u32(16))
+
+
+@fast
+@cuda.jit
+def _swiglu_bf16_kernel(gate_up, inter, out):
+    # gate_up: flat WORD view of [rows, 2 * inter] bf16 (two a word); out: flat uint32 view of
+    # [rows, inter] bf16; a thread takes 8 columns (two 16-byte loads, four 4-byte stores), the
+    # bits of _swiglu_kernel on the f32 values these round from
+    row = u32(cuda.blockIdx.y)
+    i = u32((cuda.blockIdx.x * THREADS + cuda.threadIdx.x) * 8)
+    if i < inter:
+        base = (row * u32(2) * u32(inter) + i) >> u32(1)
+        g = vector_load(gate_up, base)
+        u = vector_load(gate_up, base + (u32(inter) >> u32(1)))
+        o = (row * u32(inter) + i) >> u32(1)
+        out[o] = _swiglu_word(g[0], u[0])
+        out[o + u32(1)] = _swiglu_word(g[1], u[1])
+        out[o + u32(2)] = _swiglu_word(g[2], u[2])
+        out[o + u32(3)] = _swiglu_word(g[3], u[3])
 
 
 if IS_SIMULATOR:
@@ -69,12 +117,6 @@ else:
     @cuda.jit(device=True, inline=True)
     def _f32(word):
         return libdevice.int_as_float(np.int32(word))
-
-
-@cuda.jit(device=True, inline=True)
-def _swiglu1(g, u):
-    silu = g / (_F32(1.0) + math.exp(-g))
-    return f32_to_bf16(silu * u)
 
 
 @fast
@@ -96,14 +138,20 @@ def _swiglu4_kernel(gate_up, inter, out):
 
 
 def swiglu(gate_up, out=None, stream=0):
-    """out = bf16(silu(gate) * up) where gate_up = [gate | up] per row.
+    """out = bf16(silu(bf16(gate)) * bf16(up)) where gate_up = [gate | up] per row.
 
-    gate_up: f32 device [rows, 2 * inter] (the fused gate_proj|up_proj GEMM output);
-    out: None or uint16 [rows, inter]; returns out. Raises ValueError naming the argument
-    on a wrong dtype, rank or shape. When inter % 4 == 0 and both arrays are
-    C-contiguous a thread takes four columns with 16-byte loads (`_swiglu4_kernel`), else
-    one; the same bits either way. Twin: ops.silu(gate) * up.
+    gate_up: the fused gate_proj|up_proj GEMM output, device [rows, 2 * inter], f32 (rounded
+    to bf16 here) or uint16 bf16 bits (cuBLASLt's bf16 epilogue: `gemm.Gemm.matmul(...,
+    bf16=True)`); out: None or uint16 [rows, inter]; returns out. The same bits from an f32
+    gate_up and from its bf16 rounding. Raises ValueError naming the argument on a wrong
+    dtype, rank or shape, or a bf16 gate_up whose inter is not a multiple of 8 or that is
+    not C-contiguous. An f32 gate_up with inter % 4 == 0, both arrays C-contiguous, takes
+    four columns a thread with 16-byte loads (`_swiglu4_kernel`), else one; a bf16 one
+    eight a thread (`_swiglu_bf16_kernel`). Twin: ops.silu(gate) * up on bf16-rounded gate
+    and up.
     """
+    if getattr(gate_up, "dtype", None) == np.uint16:
+        return _swiglu_bf16(gate_up, out, stream)
     check("gate_up", gate_up, np.float32, 2)
     rows, width = gate_up.shape
     if width % 2:
@@ -121,6 +169,24 @@ def swiglu(gate_up, out=None, stream=0):
             gate_up.reshape(rows * width).view(WORD), inter, out.reshape(rows * inter).view(np.uint32))
     else:
         _swiglu_kernel[(blocks(inter), rows), THREADS, stream](gate_up, out)
+    return out
+
+
+def _swiglu_bf16(gate_up, out, stream):
+    """`swiglu` of a bf16 (uint16) gate_up [rows, 2 * inter], inter % 8 == 0, C-contiguous."""
+    check("gate_up", gate_up, np.uint16, 2)
+    rows, width = gate_up.shape
+    inter = width // 2
+    if width % 16 or not gate_up.is_c_contiguous():
+        raise ValueError(f"a bf16 gate_up {gate_up.shape} must be C-contiguous with inter a multiple of 8")
+    if out is not None:
+        check("out", out, np.uint16, 2)
+        if tuple(out.shape) != (rows, inter) or not out.is_c_contiguous():
+            raise ValueError(f"out {out.shape} must be a C-contiguous [{rows}, {inter}]")
+    out = empty((rows, inter), np.uint16, stream) if out is None else out
+    if rows:
+        _swiglu_bf16_kernel[(blocks(inter // 8), rows), THREADS, stream](
+            gate_up.reshape(rows * width).view(WORD), inter, out.reshape(rows * inter).view(np.uint32))
     return out
 
 

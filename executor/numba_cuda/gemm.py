@@ -32,6 +32,15 @@ should give fma(1, acc, 1 * c) = round(acc + c), the bits of the separate fp32 a
 `accumulates(n, k)` checks it on first use of a shape, for the reference algorithm and each
 bucket's at their probe row counts, on random values, values that cancel, subnormals and
 infinities (`accumulate_probe_c`).
+
+bf16 output (`matmul(..., bf16=True)`, M past BUCKETS only): D in bf16 from cuBLASLt's epilogue,
+for the gate/up product whose one reader (SwiGLU) rounds it to bf16 anyway: half the bytes
+written, and SwiGLU reads 4 bytes an element, not 8. `bf16_algo(n, k)` keeps the fastest candidate
+(the heuristic's first BUCKET_CANDIDATES at LARGE_ROWS with a bf16 D, no split-K) whose output
+equals the round-to-nearest-even bf16 of the reference algorithm's fp32 output bit for bit at
+every LARGE_PROBES row count and at LARGE_ROWS (`unequal_rounded`), so a row's bf16 gate/up are
+the rounding of its fp32 ones at every M and the fp32 path (`elementwise.swiglu` rounds) gives
+the same bits; None when no candidate does, and the caller takes the fp32 path.
 """
 
 from __future__ import annotations
@@ -42,8 +51,18 @@ import time
 import numpy as np
 from numba import cuda
 
-from executor.numba_cuda.device import IS_SIMULATOR, check, check_product, copy_of, device_pointer, empty, to_device
+from executor.numba_cuda.device import (
+    IS_SIMULATOR,
+    check,
+    check_product,
+    copy_of,
+    device_pointer,
+    empty,
+    f32_to_bf16,
+    to_device,
+)
 from executor.safetensors_file import bf16_to_f32
+from executor.safetensors_file import f32_to_bf16 as host_f32_to_bf16
 
 if not IS_SIMULATOR:
     try:
@@ -207,6 +226,32 @@ def unequal_words(a, b, max_blocks: int = 1024) -> int:
     return int(count.copy_to_host()[0])
 
 
+@cuda.jit
+def _unequal_rounded_kernel(a, b, count):
+    """count[0] += the number of i with a[i] != f32_to_bf16(b[i]) (a: bf16 bits, b: f32)."""
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    found = 0
+    while i < a.size:
+        if a[i] != f32_to_bf16(b[i]):
+            found += 1
+        i += stride
+    if found:
+        cuda.atomic.add(count, 0, found)
+
+
+def unequal_rounded(a, b, max_blocks: int = 1024) -> int:
+    """How many elements of a C-contiguous uint16 (bf16) device array differ from the
+    round-to-nearest-even bf16 of the same-shape f32 one (`device.f32_to_bf16`), counted on the
+    device. Raises ValueError when the shapes differ."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    count = to_device(np.zeros(1, np.uint32))
+    _unequal_rounded_kernel[min(max_blocks, max(1, -(-a.size // 256))), 256](a.reshape(a.size), b.reshape(b.size),
+                                                                              count)
+    return int(count.copy_to_host()[0])
+
+
 def flip_swizzle(algo: np.ndarray) -> np.ndarray:
     """A copy of a cuBLASLt algorithm (uint64[8]) with its CTA swizzle flipped (0 <-> 1:
     CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, the order tiles are given to CTAs; each output's sum
@@ -289,25 +334,26 @@ class Gemm:
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self._beta_one = np.ones(1, np.float32)
-        self._layouts: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+        self._layouts: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._algos: dict[tuple[int, int], np.ndarray] = {}
         self._buckets: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+        self._bf16: dict[tuple[int, int], np.ndarray | None] = {}
 
-    def _layout(self, m: int, n: int, k: int) -> tuple[int, int, int]:
-        key = (m, n, k)
+    def _layout(self, m: int, n: int, k: int, d_type: int = CUDA_R_32F) -> tuple[int, int, int]:
+        key = (m, n, k, d_type)
         if key not in self._layouts:
             a = lt.matrix_layout_create(CUDA_R_16BF, k, n, k)
             b = lt.matrix_layout_create(CUDA_R_16BF, k, m, k)
-            d = lt.matrix_layout_create(CUDA_R_32F, n, m, n)
+            d = lt.matrix_layout_create(d_type, n, m, n)
             self._layouts[key] = (a, b, d)
         return self._layouts[key]
 
-    def _candidates(self, n: int, k: int, m: int = REFERENCE_ROWS) -> list[np.ndarray]:
+    def _candidates(self, n: int, k: int, m: int = REFERENCE_ROWS, d_type: int = CUDA_R_32F) -> list[np.ndarray]:
         pref = lt.matmul_preference_create()
         try:
             _set(lt.matmul_preference_set_attribute, pref, 1, WORKSPACE_BYTES, np.uint64)  # MAX_WORKSPACE_BYTES
             _set(lt.matmul_preference_set_attribute, pref, 3, 0, np.uint32)  # REDUCTION_SCHEME_MASK: none
-            a, b, d = self._layout(m, n, k)
+            a, b, d = self._layout(m, n, k, d_type)
             results = np.zeros(CANDIDATES * HEURISTIC_BYTES, np.uint8)
             count = np.zeros(1, np.int32)
             lt.matmul_algo_get_heuristic(
@@ -337,7 +383,7 @@ class Gemm:
     def _run(self, algo: np.ndarray, x, w, out, stream=0, accumulate: bool = False) -> None:
         m, k = x.shape
         n = w.shape[0]
-        a, b, d = self._layout(m, n, k)
+        a, b, d = self._layout(m, n, k, CUDA_R_16BF if out.dtype == np.uint16 else CUDA_R_32F)
         beta = self._beta_one if accumulate else self._beta
         lt.matmul(
             self._handle, self._desc, self._alpha.ctypes.data, _ptr(w), a, _ptr(x), b,
@@ -495,6 +541,67 @@ class Gemm:
                               "reference_us": round(reference_s * 1e6, 1), "chosen_us": round(best_s * 1e6, 1),
                               "algo_id": int(best[0] & 0xFFFFFFFF), "search_s": round(time.perf_counter() - began, 3)}
 
+    def bf16_algo(self, n: int, k: int, seed: int = 0) -> np.ndarray | None:
+        """The algorithm `matmul(..., bf16=True)` runs shape (N, K) with, searched once (after
+        pinning the shape): of the heuristic's first BUCKET_CANDIDATES at (LARGE_ROWS, N) with a
+        bf16 D (no split-K), the fastest at LARGE_ROWS whose output equals the bf16 rounding of
+        the reference algorithm's fp32 output bit for bit at every LARGE_PROBES row count and at
+        LARGE_ROWS (random bf16 x and w, compared on the device: `unequal_rounded`). None when
+        none does, when the search cannot run (no memory, a refused shape) or when `large` is
+        off; `pinned[(n, k)]["bf16"]` says which, or what was found."""
+        key = (n, k)
+        if key in self._bf16:
+            return self._bf16[key]
+        reference = self.pin(n, k)
+        entry: dict = {}
+        self.pinned[key]["bf16"] = entry
+        self._bf16[key] = None
+        if not self.large:
+            entry["off"] = f"{LARGE_ENV}=0"
+            return None
+        began = time.perf_counter()
+        try:
+            rng = np.random.default_rng(seed)
+            w = to_device(random_bf16(rng, (n, k)))
+            x = to_device(random_bf16(rng, (LARGE_ROWS, k)))
+            ref, out = empty((LARGE_ROWS, n), np.float32), empty((LARGE_ROWS, n), np.uint16)
+            self._run(reference, x, w, ref)
+            weights = [w] + [copy_of(w) for _ in range(timing_copies(n * k * 2) - 1)]
+            candidates = self._candidates(n, k, LARGE_ROWS, CUDA_R_16BF)[:BUCKET_CANDIDATES]
+        except Exception as exc:  # noqa: BLE001 - no memory, or a shape the heuristic refuses: fp32 path
+            entry["failed"] = repr(exc)
+            return None
+        best, best_s, equal = None, 0.0, 0
+        for algo in candidates:
+            try:
+                same = True
+                for m in LARGE_PROBES:
+                    self._run(algo, x[:m], w, out[:m])
+                    same = same and unequal_rounded(out[:m], ref[:m]) == 0
+                if not same:
+                    continue
+                seconds = self._seconds(algo, x, weights, out)
+                if unequal_rounded(out, ref):
+                    continue
+            except Exception:  # noqa: BLE001 - an algorithm that rejects these M is not used
+                continue
+            equal += 1
+            if best is None or seconds < best_s:
+                best, best_s = algo, seconds
+        self._bf16[key] = best
+        entry.update(timed_at=LARGE_ROWS, candidates=len(candidates), bit_equal_candidates=equal,
+                     search_s=round(time.perf_counter() - began, 3))
+        if best is not None:
+            entry.update(chosen_us=round(best_s * 1e6, 1), algo_id=int(best[0] & 0xFFFFFFFF))
+        return best
+
+    def bf16_ready(self, m: int, n: int, k: int) -> bool:
+        """Whether `matmul(x, w, bf16=True)` may run an [m, K] x [N, K]^T product: M past BUCKETS
+        and (on a GPU) a `bf16_algo` for (N, K), searched on the first call for the shape."""
+        if m <= BUCKETS[-1][1]:
+            return False
+        return IS_SIMULATOR or self.bf16_algo(n, k) is not None
+
     def _accumulate_failure(self, key: tuple[int, int], seed: int = 0) -> str:
         """The empty string when every algorithm that runs (N, K) (the reference at
         ACCUMULATE_PROBE_ROWS, each bucket's at its range's probe row counts lo, lo + 1, middle,
@@ -560,16 +667,21 @@ class Gemm:
                 return algo
         return reference
 
-    def matmul(self, x, w, out=None, stream=0, accumulate: bool = False):
+    def matmul(self, x, w, out=None, stream=0, accumulate: bool = False, bf16: bool = False):
         """out = x @ w.T (fp32) with the pinned algorithm of (N, K); with accumulate,
-        out += x @ w.T, the bits of out + the product in fp32 (see the module docstring).
+        out += x @ w.T, the bits of out + the product in fp32 (see the module docstring); with
+        bf16, out = bf16(x @ w.T) (round to nearest even of the fp32 product's bits, by
+        `bf16_algo`'s algorithm).
 
         x: uint16 (bf16) device [M, K]; w: uint16 (bf16) [N, K]; out: None or f32 [M, N]
-        (C-contiguous, 256-byte aligned when accumulating: cuBLASLt's default alignment);
-        returns out. Raises ValueError naming `out` when accumulate has no out, a wrong one,
-        or a shape that `accumulates` refused.
+        (C-contiguous, 256-byte aligned when accumulating: cuBLASLt's default alignment), uint16
+        [M, N] C-contiguous with bf16; returns out. Raises ValueError naming `out` when
+        accumulate has no out, a wrong one, or a shape that `accumulates` refused; naming `bf16`
+        when it comes with accumulate, or for an M, N, K that `bf16_ready` refuses.
         """
         m, n, k = check_product(x, w)
+        if bf16:
+            return self._matmul_bf16(x, w, out, stream, accumulate, m, n, k)
         if accumulate:
             if out is None:
                 raise ValueError("accumulate needs out, the f32 [M, N] array to add into")
@@ -596,4 +708,24 @@ class Gemm:
                     raise
                 self.refused[(m, n, k)] = repr(exc)  # the reference gives the same bits at every M
                 self._run(self._algos[(n, k)], x, w, out, stream, accumulate)
+        return out
+
+    def _matmul_bf16(self, x, w, out, stream, accumulate: bool, m: int, n: int, k: int):
+        """`matmul` with bf16 (its checks, then the product)."""
+        if accumulate:
+            raise ValueError("bf16: an output in bf16 cannot accumulate")
+        if not self.bf16_ready(m, n, k):
+            why = (f"runs M past {BUCKETS[-1][1]} rows only" if m <= BUCKETS[-1][1]
+                   else f"no bf16-output algorithm: {self.pinned[(n, k)]['bf16']}")
+            raise ValueError(f"bf16: M={m}, N={n}, K={k}: {why}")
+        if out is not None:
+            check("out", out, np.uint16, 2)
+            if tuple(out.shape) != (m, n) or not out.is_c_contiguous():
+                raise ValueError(f"out {out.shape} must be a C-contiguous [{m}, {n}]")
+        out = empty((m, n), np.uint16, stream) if out is None else out
+        if IS_SIMULATOR:
+            xs, ws = bf16_to_f32(x.copy_to_host()), bf16_to_f32(w.copy_to_host())
+            out.copy_to_device(host_f32_to_bf16((xs.astype(np.float64) @ ws.T.astype(np.float64)).astype(np.float32)))
+        else:
+            self._run(self._bf16[(n, k)], x, w, out, stream)
         return out

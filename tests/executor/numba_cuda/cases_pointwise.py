@@ -204,20 +204,47 @@ def test_gated_rms_norm_sums_in_its_order(other):
 
 @pytest.mark.parametrize("inter", [70, 72, 1032])
 def test_swiglu(inter):
-    """inter 70: one column a thread; 72 and 1032: four (16-byte loads), the same bits as
-    one a thread."""
+    """out = bf16(silu(bf16(gate)) * bf16(up)). inter 70: one column a thread; 72 and 1032: four
+    (16-byte loads), the same bits as one a thread; 72 and 1032 from bf16 gate_up too (eight a
+    thread), the same bits as from the f32 values they round."""
     r = rng()
     rows = 3
     gate_up = r.normal(size=(rows, 2 * inter)).astype(np.float32) * 4
     with poisoned():
         out = host(elementwise.swiglu(to_device(gate_up)))
-    ref = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    rounded = as_f32(bf16(gate_up))
+    ref = ops.silu(rounded[:, :inter]) * rounded[:, inter:]
     assert_close("swiglu", ref, as_f32(out), BF16_TOL, rel=True)
     if inter % 4 == 0:
         with poisoned():
             one = elementwise.empty((rows, inter), np.uint16)
             elementwise._swiglu_kernel[(elementwise.blocks(inter), rows), elementwise.THREADS](to_device(gate_up), one)
         np.testing.assert_array_equal(host(one), out)
+    if inter % 8 == 0:
+        with poisoned():
+            from_bf16 = host(elementwise.swiglu(to_device(bf16(gate_up))))
+        np.testing.assert_array_equal(from_bf16, out)
+
+
+def test_swiglu_rounds_gate_and_up_before_the_product():
+    """A gate and an up value one f32 ulp off a bf16 tie give the bits of their bf16 roundings,
+    not of the f32 values (a kernel that skips the rounding fails)."""
+    inter = 8
+    g = np.full((1, inter), np.uint32(0x41208001).view(np.float32))  # just over a tie: rounds up to 0x4121
+    u = np.full((1, inter), np.uint32(0x3F808001).view(np.float32))  # just over one: rounds up to 0x3F81
+    gate_up = np.concatenate([g, u], axis=1)
+    with poisoned():
+        out = host(elementwise.swiglu(to_device(gate_up)))
+    gr, ur = (np.uint32(0x41210000).view(np.float32), np.uint32(0x3F810000).view(np.float32))
+    expected = bf16(np.array([gr / (np.float32(1) + np.exp(-gr)) * ur], np.float32))[0]
+    unrounded = bf16(np.array([g[0, 0] / (np.float32(1) + np.exp(-g[0, 0])) * u[0, 0]], np.float32))[0]
+    assert expected != unrounded
+    assert (out == expected).all()
+
+
+def test_swiglu_refuses_a_bf16_gate_up_it_cannot_load():
+    with pytest.raises(ValueError, match="inter a multiple of 8"):
+        elementwise.swiglu(to_device(np.zeros((2, 2 * 12), np.uint16)))
 
 
 @pytest.mark.parametrize("k", [64, 1600], ids=["k64", "k1600-unrolled"])

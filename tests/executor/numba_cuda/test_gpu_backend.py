@@ -141,8 +141,8 @@ def _flash_attention_roundings(q, k, v, start, block=32, segment=512, lazy=8.0):
 
 
 def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
-    """The reference with the serving format's bf16 roundings (GEMM inputs, conv input and
-    tail, K/V; for prefill rows also q and the attention probabilities, as the tensor-core
+    """The reference with the serving format's bf16 roundings (GEMM inputs, gate and up, conv
+    input and tail, K/V; for prefill rows also q and the attention probabilities, as the tensor-core
     prefill rounds them) emulated: what remains is fp32-vs-float64 math and summation
     order, so this checks the wiring far tighter than the plain comparison."""
     from executor.reference import ops
@@ -152,6 +152,8 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     linear, conv1d, attend = ops.linear, ops.causal_conv1d, ops.attention
     emulate = {"flash": _flash_attention_roundings, "matrix": _matrix_attention_roundings}[models[1].prefill_attention]
     monkeypatch.setattr(ops, "linear", lambda x, w: linear(r(x), w))
+    monkeypatch.setattr(ops, "swiglu_mlp", lambda x, wg, wu, wd: ops.linear(
+        ops.silu(r(ops.linear(x, wg))) * r(ops.linear(x, wu)), wd))
     monkeypatch.setattr(ops, "causal_conv1d", lambda x, tail, w: conv1d(r(x), r(tail), w))
     monkeypatch.setattr(ops, "attention", lambda q, k, v, start: (
         emulate(q, r(k), r(v), start) if len(q) > 1 else attend(q, r(k), r(v), start)))
@@ -396,6 +398,36 @@ def test_residual_accumulate_gives_the_separate_add_s_bits(models, monkeypatch):
     on = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
     assert gpu.accumulate_refused == {} and calls.count(True) >= 3 * len(gpu.config.layer_types)
     monkeypatch.setattr(gpu, "residual_accumulate", False)
+    calls.clear()
+    off = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
+    assert True not in calls
+    for a, b in zip(on, off):
+        assert _same(a, b)
+
+
+def test_gate_up_bf16_gives_the_f32_path_s_bits(real_heads, monkeypatch):
+    """Prefill chunks of more than 1,024 rows take gate|up in bf16 from cuBLASLt's epilogue
+    (`gate_up_bf16`, on by default): the last-row logits and every state byte equal the f32
+    product's, which SwiGLU rounds itself, over one chunk, a cut leaving a 1,236-row chunk and
+    a 1,024-row chunk (f32 either way), with and without a tail."""
+    gpu = real_heads
+    ids = _prompt(gpu.config, 1300, 21)
+    calls = []
+    real = gpu.gemm.matmul
+
+    def counted(*args, bf16=False, **kwargs):
+        calls.append(bf16)
+        return real(*args, bf16=bf16, **kwargs)
+
+    plans = ([0, 1300], [0, 64, 1300], [0, 1024, 1300])
+    assert gpu.gate_up_bf16
+    monkeypatch.setattr(gpu.gemm, "matmul", counted)
+    tails = [(cuts, tail) for cuts in plans for tail in (None, 1290)]
+    on = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
+    # the first two plans' long chunks: both layers' MLPs without a tail, the first layer's with one (the
+    # last layer's MLP then runs the 10 tail rows, in f32)
+    assert calls.count(True) == 2 * 2 + 2 * 1, gpu.gemm.pinned
+    monkeypatch.setattr(gpu, "gate_up_bf16", False)
     calls.clear()
     off = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
     assert True not in calls
