@@ -35,7 +35,7 @@ from executor.numba_cuda import (attention, attention_flash, attention_prep, att
 from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import columns, copy_of, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
-from executor.numba_cuda.gemm import Gemm, accumulate_aligned
+from executor.numba_cuda.gemm import Gemm, accumulate_aligned, refused_before_launch
 from executor.numba_cuda.gemv import gemv
 from executor.numba_cuda.state import DevicePayload, DeviceState, StatePool
 from executor.weights import Weights, load_weights
@@ -70,7 +70,8 @@ RESIDUAL_ACCUMULATE_ENV = "WARMSTATE_RESIDUAL_ACCUMULATE"
 (NumbaCudaBackend.residual_accumulate off: the A side of an A/B; the same bits either way)."""
 GATE_UP_BF16_ENV = "WARMSTATE_GATE_UP_BF16"
 """Environment variable: "0" keeps prefill's gate|up product in f32 for SwiGLU to round
-(NumbaCudaBackend.gate_up_bf16 off: the A side of an A/B; the same bits either way)."""
+(NumbaCudaBackend.gate_up_bf16 off: the A side of an A/B; the same bits either way).
+WARMSTATE_GEMM_LARGE=0 turns it off too (no bf16 algorithm is searched then)."""
 
 
 def _check_path_change(what: str, paths: Sequence[str], current: str | None, path: str, fixed: bool) -> None:
@@ -152,10 +153,11 @@ class NumbaCudaBackend:
         self.gate_up_bf16: bool = os.environ.get(GATE_UP_BF16_ENV, "1") != "0"
         """Prefill chunks of more than 1,024 rows take the MLP's gate|up product in bf16 from
         cuBLASLt's epilogue (`Gemm.matmul(..., bf16=True)`, where `Gemm.bf16_ready`), so SwiGLU
-        reads 4 bytes an element, not 8, and the GEMM writes half. The same bits on or off: SwiGLU
-        rounds gate and up to bf16 first (`elementwise.swiglu`), and the bf16 algorithm's output
-        is checked to be that rounding (`Gemm.bf16_algo`). Read at launch time, like
-        `residual_accumulate`."""
+        reads 4 bytes an element, not 8, and the GEMM writes half (a probe at the 9B's shape:
+        ~26 + ~12 ms less over a 32K prompt, bench/RESULTS.md session 38; the whole path is
+        unmeasured). The same bits on or off: SwiGLU rounds gate and up to bf16 first
+        (`elementwise.swiglu`), and the bf16 algorithm's output is checked to be that rounding
+        (`Gemm.bf16_algo`). Read at launch time, like `residual_accumulate`."""
         self.flash_lookahead: bool | None = None
         """Prefill attention's wgmma walk in FlashAttention-3's order (attention_wgmma.LOOKAHEAD_KERNEL)
         when True, the backend's walk when False, and when None as `attention_flash.lookahead_status`
@@ -465,9 +467,15 @@ class NumbaCudaBackend:
         a bf16 algorithm for this many rows (`Gemm.bf16_ready`: more than 1,024), else f32; the
         same bits after SwiGLU either way."""
         if self.gate_up_bf16 and mm == self.gemm.matmul:
-            n, k = weight.shape
-            if self.gemm.bf16_ready(h.shape[0], n, k):
-                return self.gemm.matmul(h, weight, stream=stream, bf16=True)
+            (m, _), (n, k) = h.shape, weight.shape
+            if self.gemm.bf16_ready(m, n, k):
+                try:
+                    return self.gemm.matmul(h, weight, stream=stream, bf16=True)
+                except Exception as exc:  # an M the probes missed, refused before any launch: f32 from now on
+                    if not refused_before_launch(exc):
+                        raise
+                    self.gemm.refused_bf16[(m, n, k)] = repr(exc)
+                    log.warning("gate_up_bf16_refused", m=m, n=n, k=k, reason=repr(exc))
         return mm(h, weight, stream=stream)
 
     def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, at, first_tail: int,
@@ -656,6 +664,8 @@ class NumbaCudaBackend:
             return 0
         rows = max(1, min(int(chunk_rows), self.pool.capacity_rows))
         start = self.pool.capacity_rows - rows
+        if self.gate_up_bf16:  # the bf16 gate|up search (first chunk past 1,024 rows) is not the chunk's peak
+            self.gemm.bf16_ready(rows, *self.w.layers[0]["gate_up"].shape)
         state = self.new_state()
         cuda.synchronize()
         base = pool.live_bytes

@@ -21,6 +21,7 @@ from executor.numba_cuda.device import (
     bf16_to_f32,
     blocks,
     check,
+    device_pointer,
     empty,
     f32_to_bf16,
     round_bf16,
@@ -173,12 +174,15 @@ def swiglu(gate_up, out=None, stream=0):
 
 
 def _swiglu_bf16(gate_up, out, stream):
-    """`swiglu` of a bf16 (uint16) gate_up [rows, 2 * inter], inter % 8 == 0, C-contiguous."""
+    """`swiglu` of a bf16 (uint16) gate_up [rows, 2 * inter], inter % 8 == 0, C-contiguous and
+    16-byte aligned (its 16-byte loads; fresh allocations are)."""
     check("gate_up", gate_up, np.uint16, 2)
     rows, width = gate_up.shape
     inter = width // 2
     if width % 16 or not gate_up.is_c_contiguous():
         raise ValueError(f"a bf16 gate_up {gate_up.shape} must be C-contiguous with inter a multiple of 8")
+    if not IS_SIMULATOR and rows and device_pointer(gate_up) % 16:
+        raise ValueError("a bf16 gate_up must be 16-byte aligned")
     if out is not None:
         check("out", out, np.uint16, 2)
         if tuple(out.shape) != (rows, inter) or not out.is_c_contiguous():

@@ -38,9 +38,14 @@ for the gate/up product whose one reader (SwiGLU) rounds it to bf16 anyway: half
 written, and SwiGLU reads 4 bytes an element, not 8. `bf16_algo(n, k)` keeps the fastest candidate
 (the heuristic's first BUCKET_CANDIDATES at LARGE_ROWS with a bf16 D, no split-K) whose output
 equals the round-to-nearest-even bf16 of the reference algorithm's fp32 output bit for bit at
-every LARGE_PROBES row count and at LARGE_ROWS (`unequal_rounded`), so a row's bf16 gate/up are
-the rounding of its fp32 ones at every M and the fp32 path (`elementwise.swiglu` rounds) gives
-the same bits; None when no candidate does, and the caller takes the fp32 path.
+every LARGE_PROBES row count and at LARGE_ROWS (`unequal_rounded`; some rows of x and w scaled
+so their products are fp32 subnormals, which an epilogue that flushes them would get wrong), so
+a row's bf16 gate/up are the rounding of its fp32 ones at every M and the fp32 path
+(`elementwise.swiglu` rounds) gives the same bits; and only if it is no slower than the fp32
+product of `algo_for(LARGE_ROWS)` at LARGE_ROWS (the GEMM alone: SwiGLU's halved read is then the
+gain). None otherwise, and the caller takes the fp32 path. Session 38 (H100, 9B gate_up at
+8,192 rows): all 8 bf16 candidates were that rounding; the fastest 2.031 ms against the fp32
+path's 2.121 (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -304,7 +309,8 @@ class Gemm:
     """cuBLASLt handle, workspace and pinned algorithms of one device.
 
     `matmul(x, w)` computes x @ w.T for bf16 (uint16) device arrays x [M, K], w [N, K]
-    (both C-contiguous, 256-byte aligned: fresh allocations) into a new fp32 [M, N], or
+    (both C-contiguous, 256-byte aligned: fresh allocations) into a new fp32 [M, N] (bf16
+    [M, N] with bf16=True, M > 1,024: `bf16_algo`), or
     into (or, accumulating, onto) a given `out`.
 
     Accumulating relies on no algorithm splitting K: with C == D an in-place split-K
@@ -322,6 +328,9 @@ class Gemm:
         """Whether M past BUCKETS runs `_large_algo`'s choice (else the reference; the same bits).
         Off from the start (LARGE_ENV=0), pinning does not search, and turning it on later
         changes nothing."""
+        self._bf16: dict[tuple[int, int], np.ndarray | None] = {}
+        self.refused_bf16: dict[tuple[int, int, int], str] = {}
+        """(M, N, K) -> why the bf16 algorithm refused that M (`bf16_ready` says no for it since)."""
         if IS_SIMULATOR:
             return
         if lt is None:
@@ -337,7 +346,6 @@ class Gemm:
         self._layouts: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._algos: dict[tuple[int, int], np.ndarray] = {}
         self._buckets: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
-        self._bf16: dict[tuple[int, int], np.ndarray | None] = {}
 
     def _layout(self, m: int, n: int, k: int, d_type: int = CUDA_R_32F) -> tuple[int, int, int]:
         key = (m, n, k, d_type)
@@ -546,9 +554,14 @@ class Gemm:
         pinning the shape): of the heuristic's first BUCKET_CANDIDATES at (LARGE_ROWS, N) with a
         bf16 D (no split-K), the fastest at LARGE_ROWS whose output equals the bf16 rounding of
         the reference algorithm's fp32 output bit for bit at every LARGE_PROBES row count and at
-        LARGE_ROWS (random bf16 x and w, compared on the device: `unequal_rounded`). None when
-        none does, when the search cannot run (no memory, a refused shape) or when `large` is
-        off; `pinned[(n, k)]["bf16"]` says which, or what was found."""
+        LARGE_ROWS (random bf16 x and w, rows 3, 7, ... of x times 2^-75 and rows 5, 13, ... of w
+        times 2^-60, so some outputs are fp32 subnormals; compared on the device:
+        `unequal_rounded`), if it is no slower at LARGE_ROWS than the fp32 product of
+        `algo_for(LARGE_ROWS, n, k)`. None when none qualifies, when the search cannot run (no
+        memory, a refused shape) or when `large` is off (WARMSTATE_GEMM_LARGE=0);
+        `pinned[(n, k)]["bf16"]` says which, or what was found. Its scratch (an f32 and a bf16
+        [LARGE_ROWS, N], x and a copy of w) comes from the device pool and is freed before it
+        returns: callers that measure the pool's peak search first (`activation_peak`)."""
         key = (n, k)
         if key in self._bf16:
             return self._bf16[key]
@@ -562,11 +575,14 @@ class Gemm:
         began = time.perf_counter()
         try:
             rng = np.random.default_rng(seed)
-            w = to_device(random_bf16(rng, (n, k)))
-            x = to_device(random_bf16(rng, (LARGE_ROWS, k)))
+            host_w, host_x = bf16_to_f32(random_bf16(rng, (n, k))), bf16_to_f32(random_bf16(rng, (LARGE_ROWS, k)))
+            host_x[3::4] *= np.float32(2.0**-75)  # exact (powers of two, normal bf16): products near 2^-135
+            host_w[5::8] *= np.float32(2.0**-60)
+            w, x = to_device(host_f32_to_bf16(host_w)), to_device(host_f32_to_bf16(host_x))
             ref, out = empty((LARGE_ROWS, n), np.float32), empty((LARGE_ROWS, n), np.uint16)
-            self._run(reference, x, w, ref)
             weights = [w] + [copy_of(w) for _ in range(timing_copies(n * k * 2) - 1)]
+            f32_s = self._seconds(self.algo_for(LARGE_ROWS, n, k), x, weights, ref)
+            self._run(reference, x, w, ref)  # the reference's bits (the timed algorithm's are the same)
             candidates = self._candidates(n, k, LARGE_ROWS, CUDA_R_16BF)[:BUCKET_CANDIDATES]
         except Exception as exc:  # noqa: BLE001 - no memory, or a shape the heuristic refuses: fp32 path
             entry["failed"] = repr(exc)
@@ -588,17 +604,21 @@ class Gemm:
             equal += 1
             if best is None or seconds < best_s:
                 best, best_s = algo, seconds
-        self._bf16[key] = best
         entry.update(timed_at=LARGE_ROWS, candidates=len(candidates), bit_equal_candidates=equal,
-                     search_s=round(time.perf_counter() - began, 3))
+                     f32_us=round(f32_s * 1e6, 1), search_s=round(time.perf_counter() - began, 3))
         if best is not None:
-            entry.update(chosen_us=round(best_s * 1e6, 1), algo_id=int(best[0] & 0xFFFFFFFF))
+            entry.update(fastest_us=round(best_s * 1e6, 1), algo_id=int(best[0] & 0xFFFFFFFF))
+            if best_s > f32_s:
+                entry["slower_than_f32"] = True
+                best = None
+        self._bf16[key] = best
         return best
 
     def bf16_ready(self, m: int, n: int, k: int) -> bool:
         """Whether `matmul(x, w, bf16=True)` may run an [m, K] x [N, K]^T product: M past BUCKETS
-        and (on a GPU) a `bf16_algo` for (N, K), searched on the first call for the shape."""
-        if m <= BUCKETS[-1][1]:
+        and (on a GPU) a `bf16_algo` for (N, K), searched on the first call for the shape, that
+        has not refused this M (`refused_bf16`)."""
+        if m <= BUCKETS[-1][1] or (m, n, k) in self.refused_bf16:
             return False
         return IS_SIMULATOR or self.bf16_algo(n, k) is not None
 

@@ -168,7 +168,7 @@ def _fake_bf16(monkeypatch):
 
     gemm, algo = _fake(monkeypatch)
     monkeypatch.setattr(gemm_module, "IS_SIMULATOR", False)  # bf16_ready asks bf16_algo, as on a GPU
-    speed = {3: 0.5e-3, 4: 0.5e-3, 5: 3e-3, 6: 1e-3, 8: 1e-3, 9: 2e-3}
+    speed = {0: 5e-3, 3: 0.5e-3, 4: 0.5e-3, 5: 3e-3, 6: 1e-3, 8: 1e-3, 9: 2e-3}  # 0: the f32 path
     f32_run = gemm._run
 
     def run(a, x, w, out, stream=0, accumulate=False):
@@ -194,6 +194,8 @@ def _fake_bf16(monkeypatch):
     gemm._candidates = lambda n, k, m, d_type=gemm_module.CUDA_R_32F: (
         [algo[i] for i in (3, 4, 5, 8, 9, 6)] if d_type == gemm_module.CUDA_R_16BF and m == LARGE_ROWS else [])
     gemm.pinned, gemm._bf16, gemm._algos = {(16, 24): {}}, {}, {(16, 24): algo[0]}
+    gemm._buckets, gemm.refused, gemm.refused_bf16 = {(16, 24): [(LARGE, algo[0])]}, {}, {}
+    gemm.speed = speed
     gemm.pin = lambda n, k: gemm._algos[(n, k)]
     monkeypatch.setattr(gemm_module, "unequal_rounded", lambda a, b: int(np.count_nonzero(
         a.copy_to_host() != f32_to_bf16(b.copy_to_host()))))
@@ -204,14 +206,15 @@ def test_bf16_output_runs_the_fastest_algorithm_that_rounds_the_reference(monkey
     """Of the bf16-D candidates, the fastest whose output is the bf16 rounding of the reference's
     f32 output at every LARGE_PROBES count and at LARGE_ROWS: not id 3 (one bit at M = 1026) nor
     id 4 (one bit in row 5000 at LARGE_ROWS), both fastest, nor id 8 (refuses), but id 6 (1 ms)
-    over 5 and 9; found once a shape. Large off: none, and no search."""
+    over 5 and 9, and faster than the f32 path (id 0, 5 ms); found once a shape. Large off: none,
+    and no search."""
     gemm, algo = _fake_bf16(monkeypatch)
     best = gemm.bf16_algo(16, 24)
     assert int(best[0]) == 6
     entry = gemm.pinned[(16, 24)]["bf16"]
     assert entry.pop("search_s") >= 0
-    assert entry == {"timed_at": LARGE_ROWS, "candidates": 6, "bit_equal_candidates": 3, "chosen_us": 1000.0,
-                     "algo_id": 6}
+    assert entry == {"timed_at": LARGE_ROWS, "candidates": 6, "bit_equal_candidates": 3, "f32_us": 5000.0,
+                     "fastest_us": 1000.0, "algo_id": 6}
     gemm._candidates = None  # never asked again
     assert gemm.bf16_algo(16, 24) is best
     assert gemm.bf16_ready(1025, 16, 24) and not gemm.bf16_ready(1024, 16, 24)
@@ -220,6 +223,22 @@ def test_bf16_output_runs_the_fastest_algorithm_that_rounds_the_reference(monkey
     off._candidates = None
     assert off.bf16_algo(16, 24) is None and off.pinned[(16, 24)]["bf16"] == {"off": "WARMSTATE_GEMM_LARGE=0"}
     assert not off.bf16_ready(4096, 16, 24)
+
+
+def test_a_bf16_product_slower_than_the_f32_one_is_not_used(monkeypatch):
+    gemm, algo = _fake_bf16(monkeypatch)
+    gemm.speed[0] = 0.9e-3  # the f32 path beats id 6 (1 ms)
+    assert gemm.bf16_algo(16, 24) is None
+    entry = gemm.pinned[(16, 24)]["bf16"]
+    assert entry["slower_than_f32"] and entry["fastest_us"] == 1000.0 and entry["f32_us"] == 900.0
+    assert not gemm.bf16_ready(4096, 16, 24)
+
+
+def test_an_m_the_bf16_algorithm_refused_runs_in_f32(monkeypatch):
+    gemm, algo = _fake_bf16(monkeypatch)
+    assert gemm.bf16_ready(3000, 16, 24)
+    gemm.refused_bf16[(3000, 16, 24)] = "refused"
+    assert not gemm.bf16_ready(3000, 16, 24) and gemm.bf16_ready(3001, 16, 24)
 
 
 def test_no_candidate_rounding_the_reference_leaves_the_f32_path(monkeypatch):
@@ -256,3 +275,48 @@ def test_matmul_bf16_gives_the_rounding_of_the_f32_product():
         gemm.matmul(x, w, out=given, bf16=True, accumulate=True)
     with pytest.raises(ValueError, match="out"):
         gemm.matmul(x, w, out=to_device(np.zeros((1025, 16), np.float32)), bf16=True)
+
+
+@pytest.mark.parametrize("n,k", [(24576, 4096), (34816, 5120)], ids=["9b-gate-up", "27b-gate-up"])
+def test_bf16_products_on_the_gpu_are_the_rounding_of_the_f32_ones(n, k):
+    """On a GPU, at the 9B's and the 27B's gate|up shapes: matmul(..., bf16=True) at 1,025, 1,300
+    and 8,193 rows is the bf16 rounding of matmul's f32 product bit for bit (whichever algorithm
+    bf16_algo kept), or the shape has none and says why."""
+    from executor.numba_cuda.gemm import unequal_rounded
+
+    if gemm_module.IS_SIMULATOR:
+        pytest.skip("cuBLASLt's own bf16 epilogue: a GPU")
+    r = rng()
+    gemm = Gemm()
+    w = to_device((r.standard_normal((n, k), np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    if not gemm.bf16_ready(8193, n, k):
+        pytest.skip(f"no bf16 algorithm kept for ({n}, {k}): {gemm.pinned[(n, k)]['bf16']}")
+    assert gemm.pinned[(n, k)]["bf16"]["bit_equal_candidates"] >= 1
+    for m in (1025, 1300, 8193):
+        x = to_device((r.standard_normal((m, k), np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        assert unequal_rounded(gemm.matmul(x, w, bf16=True), gemm.matmul(x, w)) == 0, m
+
+
+def test_gate_up_takes_bf16_past_1024_prefill_rows_only():
+    """NumbaCudaBackend._gate_up (the simulator's NumPy products): bf16 for a prefill chunk of
+    more than 1,024 rows with gate_up_bf16 on, f32 at 1,024 rows, with it off and in decode
+    (GEMV); the bf16 product is the f32 one's rounding."""
+    from executor.numba_cuda.backend import NumbaCudaBackend
+    from executor.numba_cuda.gemv import gemv
+    from executor.safetensors_file import f32_to_bf16
+
+    if not gemm_module.IS_SIMULATOR:
+        pytest.skip("routing only; on a GPU test_gpu_backend checks the bits end to end")
+    r = rng()
+    stub = NumbaCudaBackend.__new__(NumbaCudaBackend)
+    stub.gemm, stub.gate_up_bf16 = Gemm(), True
+    h = to_device((r.standard_normal((1025, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    w = to_device((r.standard_normal((16, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    mm = stub.gemm.matmul
+    long = stub._gate_up(h, w, mm, 0)
+    assert long.dtype == np.uint16
+    np.testing.assert_array_equal(long.copy_to_host(), f32_to_bf16(mm(h, w).copy_to_host()))
+    assert stub._gate_up(to_device(h.copy_to_host()[:1024]), w, mm, 0).dtype == np.float32
+    assert stub._gate_up(to_device(h.copy_to_host()[:3]), w, gemv, 0).dtype == np.float32
+    stub.gate_up_bf16 = False
+    assert stub._gate_up(h, w, mm, 0).dtype == np.float32
