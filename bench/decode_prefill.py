@@ -80,6 +80,10 @@ class BenchConfig:
     WARMSTATE_FLASH_LOOKAHEAD=1). "on" needs `attention_flash.lookahead_status()` None (its bit
     check passed): `run` sets WARMSTATE_FLASH_LOOKAHEAD=1 first, and a preset whose check fails stops
     with the reason in its "error". Paths other than flash are timed once (no walk to switch)."""
+    bf16_products: tuple[bool, ...] = ()
+    """NumbaCudaBackend.bf16_products settings (in_proj and gate|up from cuBLASLt's bf16 epilogue
+    for chunks past 1,024 rows, or in f32 for their consumers to round: the same bits) to time side
+    by side (empty: the backend's own, on unless WARMSTATE_BF16_PRODUCTS=0)."""
     ttft_repeats: int = 3
     """Prefills a TTFT is the median of (each from an empty state; `ttft_runs_s` keeps them all)."""
 
@@ -248,10 +252,11 @@ def decode_ours(backend: NumbaCudaBackend, ctx: int, lanes: int, cfg: BenchConfi
 
 def prefill_settings(cfg: BenchConfig, chosen: tuple) -> list[tuple]:
     """The prefill settings to time, in order: every (attention path, delta-rule path, residual
-    accumulate, large-M GEMM, lookahead) of cfg's lists, each empty list standing for the backend's
-    own choice in `chosen` (the same five, in that order). Lookahead only switches the flash path's
-    walk, so another path is timed once, with the first lookahead setting."""
-    lists = (cfg.prefill_attention, cfg.prefill_delta, cfg.residual_accumulate, cfg.gemm_large, cfg.flash_lookahead)
+    accumulate, large-M GEMM, lookahead, bf16 products) of cfg's lists, each empty list standing for
+    the backend's own choice in `chosen` (the same six, in that order). Lookahead only switches the
+    flash path's walk, so another path is timed once, with the first lookahead setting."""
+    lists = (cfg.prefill_attention, cfg.prefill_delta, cfg.residual_accumulate, cfg.gemm_large, cfg.flash_lookahead,
+             cfg.bf16_products)
     lists = [given or (own,) for given, own in zip(lists, chosen)]
     return [s for s in itertools.product(*lists) if s[0] == "flash" or s[4] == lists[4][0]]
 
@@ -430,18 +435,22 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     chosen_lookahead = attention_flash.lookahead_status() is None
     if True in cfg.flash_lookahead and not chosen_lookahead:
         raise RuntimeError(f"--flash-lookahead on: {attention_flash.lookahead_status()}")
-    settings = prefill_settings(cfg, (chosen, chosen_delta, chosen_accumulate, chosen_large, chosen_lookahead))
+    chosen_products = backend.bf16_products
+    settings = prefill_settings(cfg, (chosen, chosen_delta, chosen_accumulate, chosen_large, chosen_lookahead,
+                                      chosen_products))
     for rows in prefill_rows:
-        for path, delta, accumulate, large, lookahead in settings:
+        for path, delta, accumulate, large, lookahead, products in settings:
             backend.set_prefill_attention(path, after_prefill=True)
             backend.set_prefill_delta(delta, after_prefill=True)
             backend.residual_accumulate, backend.gemm.large = accumulate, large
             backend.flash_lookahead = lookahead
+            backend.bf16_products = products
             prefill_ours(backend, min(rows, 1024), attrs.evolve(cfg, ttft_repeats=1), False)  # these paths' kernels compiled and warm
             r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
             r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
             r["attention"], r["delta"], r["accumulate"], r["gemm_large"] = path, delta, accumulate, large
             r["flash_lookahead"] = lookahead if path == "flash" else None  # the other paths have no walk
+            r["bf16_products"] = products
             result["prefill"].append(r)
             log(f"{name} prefill {rows} ({_setting(r)}): TTFT {r['ttft_s']:.3f} s (runs {r['ttft_runs_s']}), "
                 f"logits sha256 {r['logits_sha256']}")
@@ -450,6 +459,7 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     backend.set_prefill_delta(chosen_delta, after_prefill=True)
     backend.residual_accumulate = chosen_accumulate
     backend.flash_lookahead = None
+    backend.bf16_products = chosen_products
     result["flash_lookahead"] = attention_flash.lookahead_status() or "on"
     result["accumulate_refused"] = {f"{n}x{k}": why for (n, k), why in backend.accumulate_refused.items()}
     result["gemm_large"] = {f"{n}x{k}": pinned["buckets"][-1] for (n, k), pinned in backend.gemm.pinned.items()
@@ -493,7 +503,7 @@ def _setting(r: dict) -> str:
     """A prefill row's paths and switches, as the log and the profile lines name them."""
     return (f"{r.get('attention', '-')} attention, {r.get('delta', '-')} delta rule, residual accumulate "
             f"{_on_off(r.get('accumulate'))}, large-M GEMM {_on_off(r.get('gemm_large'))}, "
-            f"lookahead {_on_off(r.get('flash_lookahead'))}")
+            f"lookahead {_on_off(r.get('flash_lookahead'))}, bf16 products {_on_off(r.get('bf16_products'))}")
 
 
 def tables(results: dict) -> str:
@@ -512,13 +522,15 @@ def tables(results: dict) -> str:
                      _ratio(r["full_roof_s"], r["graph_s"], ".0%")]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     lines += ["", "| model | prompt rows | attention | delta rule | residual accumulate | large-M GEMM | lookahead | "
-              "ours TTFT s (median) | ours rows/s | peer TTFT s | matrix roofline TTFT s | ours / roofline | ours / peer |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "bf16 products | ours TTFT s (median) | ours rows/s | peer TTFT s | matrix roofline TTFT s | ours / roofline | "
+              "ours / peer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["presets"].items():
         for r in p["prefill"]:
             peer = r.get("peer_ttft_s")
             cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), _on_off(r.get("accumulate")),
-                     _on_off(r.get("gemm_large")), _on_off(r.get("flash_lookahead")), f"{r['ttft_s']:.3f}",
+                     _on_off(r.get("gemm_large")), _on_off(r.get("flash_lookahead")), _on_off(r.get("bf16_products")),
+                     f"{r['ttft_s']:.3f}",
                      _ratio(r["rows"], r["ttft_s"], ".0f"),
                      "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
                      _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
@@ -600,6 +612,11 @@ def main(argv: list[str] | None = None) -> None:
                              "on runs the wgmma walk in FlashAttention-3's order (the same bits; sets "
                              "WARMSTATE_FLASH_LOOKAHEAD=1 and stops if its bit check fails), off the backend's "
                              "walk (default: the backend's, off unless WARMSTATE_FLASH_LOOKAHEAD=1)")
+    parser.add_argument("--bf16-products", default="",
+                        help="bf16 product settings to time side by side, comma-separated, from on,off: on takes "
+                             "in_proj and gate|up from cuBLASLt's bf16 epilogue for chunks past 1,024 rows, off in "
+                             "f32 for their consumers to round (the same bits; default: the backend's, on unless "
+                             "WARMSTATE_BF16_PRODUCTS=0)")
     parser.add_argument("--ttft-repeats", type=int, default=defaults.ttft_repeats,
                         help=f"prefills a TTFT is the median of (default {defaults.ttft_repeats})")
     args = parser.parse_args(argv)
@@ -627,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"--prefill-delta: unknown paths {sorted(unknown)} (mma, cuda-core)")
     for flag, field in (("--residual-accumulate", "residual_accumulate"), ("--gemm-large", "gemm_large"),
-                        ("--flash-lookahead", "flash_lookahead")):
+                        ("--flash-lookahead", "flash_lookahead"), ("--bf16-products", "bf16_products")):
         value = getattr(args, field)
         if value:
             settings = value.split(",")

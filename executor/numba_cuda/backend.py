@@ -68,10 +68,10 @@ PREFILL_DELTA_ENV = "WARMSTATE_PREFILL_DELTA"
 RESIDUAL_ACCUMULATE_ENV = "WARMSTATE_RESIDUAL_ACCUMULATE"
 """Environment variable: "0" keeps prefill's output projections out of the residual stream
 (NumbaCudaBackend.residual_accumulate off: the A side of an A/B; the same bits either way)."""
-GATE_UP_BF16_ENV = "WARMSTATE_GATE_UP_BF16"
-"""Environment variable: "0" keeps prefill's gate|up product in f32 for SwiGLU to round
-(NumbaCudaBackend.gate_up_bf16 off: the A side of an A/B; the same bits either way).
-WARMSTATE_GEMM_LARGE=0 turns it off too (no bf16 algorithm is searched then)."""
+BF16_PRODUCTS_ENV = "WARMSTATE_BF16_PRODUCTS"
+"""Environment variable: "0" keeps prefill's in_proj and gate|up products in f32 for their
+consumers to round (NumbaCudaBackend.bf16_products off: the A side of an A/B; the same bits
+either way). WARMSTATE_GEMM_LARGE=0 turns it off too (no bf16 algorithm is searched then)."""
 
 
 def _check_path_change(what: str, paths: Sequence[str], current: str | None, path: str, fixed: bool) -> None:
@@ -150,13 +150,14 @@ class NumbaCudaBackend:
         captured with (`enable_prefill_graphs` again to change it there)."""
         self.accumulate_refused: dict[tuple[int, int], str] = {}
         """(N, K) -> why that projection shape gives its product to the norm instead (logged once)."""
-        self.gate_up_bf16: bool = os.environ.get(GATE_UP_BF16_ENV, "1") != "0"
-        """Prefill chunks of more than 1,024 rows take the MLP's gate|up product in bf16 from
-        cuBLASLt's epilogue (`Gemm.matmul(..., bf16=True)`, where `Gemm.bf16_ready`), so SwiGLU
-        reads 4 bytes an element, not 8, and the GEMM writes half (a probe at the 9B's shape:
-        ~26 + ~12 ms less over a 32K prompt, bench/RESULTS.md session 38; the whole path is
-        unmeasured). The same bits on or off: SwiGLU rounds gate and up to bf16 first
-        (`elementwise.swiglu`), and the bf16 algorithm's output is checked to be that rounding
+        self.bf16_products: bool = os.environ.get(BF16_PRODUCTS_ENV, "1") != "0"
+        """Prefill chunks of more than 1,024 rows take the linear attention's in_proj product
+        and the MLP's gate|up product in bf16 from cuBLASLt's epilogue (`Gemm.matmul(...,
+        bf16=True)`, where `Gemm.bf16_ready`): the GEMM writes half the bytes, and SwiGLU, the
+        conv, the gates and the gated norm read 2 bytes an element, not 4 (bench/RESULTS.md,
+        session 39). The same bits on or off: each consumer rounds an f32 input to bf16 first
+        (`elementwise.swiglu`, `conv.causal_conv1d_qkv`, `delta_rule.delta_gates`,
+        `norms.gated_rms_norm`), and the bf16 algorithm's output is checked to be that rounding
         (`Gemm.bf16_algo`). Read at launch time, like `residual_accumulate`."""
         self.flash_lookahead: bool | None = None
         """Prefill attention's wgmma walk in FlashAttention-3's order (attention_wgmma.LOOKAHEAD_KERNEL)
@@ -390,7 +391,7 @@ class NumbaCudaBackend:
     def _linear_attention(self, i: int, li: int, h, mm, row_start, slots, at, stream, meta=None, padded=False):
         c, w = self.config, self.w.layers[i]
         ch, vd, vh = c.conv_channels, c.linear_value_dim, c.linear_num_value_heads
-        proj = mm(h, w["in_proj"], stream=stream)  # [rows, ch + vd + 2 vh]: qkv | z | b | a
+        proj = self._product(h, w["in_proj"], mm, stream)  # [rows, ch + vd + 2 vh]: qkv | z | b | a, f32 or bf16
         # conv + SiLU over q | k | v, q and k L2-normalised in the same pass; v: [rows, value heads x dim]
         qn, kn, v = conv.causal_conv1d_qkv(columns(proj, 0, ch), row_start, slots, w["conv"], self.pool.conv[li],
                                            c.linear_num_key_heads, c.linear_key_head_dim, stream=stream)
@@ -461,12 +462,13 @@ class NumbaCudaBackend:
         self.gemm.matmul(a, weight, out=x, stream=stream, accumulate=True)
         return None
 
-    def _gate_up(self, h, weight, mm, stream):
-        """The MLP's gate|up product of rows h for SwiGLU: bf16 (uint16 [rows, 2 * inter]) from
-        cuBLASLt's epilogue when `gate_up_bf16` is on, this is prefill (cuBLASLt) and the GEMM has
-        a bf16 algorithm for this many rows (`Gemm.bf16_ready`: more than 1,024), else f32; the
-        same bits after SwiGLU either way."""
-        if self.gate_up_bf16 and mm == self.gemm.matmul:
+    def _product(self, h, weight, mm, stream):
+        """h @ weight.T for a product whose consumers round it to bf16 first (in_proj, gate|up):
+        bf16 (uint16 [rows, N]) from cuBLASLt's epilogue when `bf16_products` is on, this is
+        prefill (cuBLASLt) and the GEMM has a bf16 algorithm for this many rows
+        (`Gemm.bf16_ready`: more than 1,024), else f32; the same bits after the consumers
+        either way."""
+        if self.bf16_products and mm == self.gemm.matmul:
             (m, _), (n, k) = h.shape, weight.shape
             if self.gemm.bf16_ready(m, n, k):
                 try:
@@ -475,7 +477,7 @@ class NumbaCudaBackend:
                     if not refused_before_launch(exc):
                         raise
                     self.gemm.refused_bf16[(m, n, k)] = repr(exc)
-                    log.warning("gate_up_bf16_refused", m=m, n=n, k=k, reason=repr(exc))
+                    log.warning("bf16_product_refused", m=m, n=n, k=k, reason=repr(exc))
         return mm(h, weight, stream=stream)
 
     def _forward(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, at, first_tail: int,
@@ -519,7 +521,7 @@ class NumbaCudaBackend:
                 x = x[first:]
             y = self._into_residual(a, w[proj], x, mm, stream)
             h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y, stream=stream, threads=norm_threads)
-            delta = self._into_residual(elementwise.swiglu(self._gate_up(h, w["gate_up"], mm, stream), stream=stream),
+            delta = self._into_residual(elementwise.swiglu(self._product(h, w["gate_up"], mm, stream), stream=stream),
                                         w["down"], x, mm, stream)
         if not want_logits:
             return None
@@ -664,8 +666,11 @@ class NumbaCudaBackend:
             return 0
         rows = max(1, min(int(chunk_rows), self.pool.capacity_rows))
         start = self.pool.capacity_rows - rows
-        if self.gate_up_bf16:  # the bf16 gate|up search (first chunk past 1,024 rows) is not the chunk's peak
-            self.gemm.bf16_ready(rows, *self.w.layers[0]["gate_up"].shape)
+        if self.bf16_products:  # the bf16 algorithm searches (first chunk past 1,024 rows) are not the chunk's peak
+            for layer in ("in_proj", "gate_up"):
+                weight = next((w[layer] for w in self.w.layers if layer in w), None)
+                if weight is not None:
+                    self.gemm.bf16_ready(rows, *weight.shape)
         state = self.new_state()
         cuda.synchronize()
         base = pool.live_bytes

@@ -70,10 +70,17 @@ _F32 = np.float32
 _WARPS = THREADS // 32
 
 
+@cuda.jit(device=True, inline=True)
+def _same(v):
+    return v
+
+
 @functools.cache
-def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
+def _conv_kernel_for(taps: int, key_dim: int, row_tile: int, bf16_in: bool = False):
     """The conv kernel for `taps` taps (the model's conv kernel size), q/k heads of `key_dim`
-    channels (0: no normalised heads) and `row_tile` rows a thread. Block y < 2 * key_heads
+    channels (0: no normalised heads) and `row_tile` rows a thread; x f32 (rounded to bf16 as
+    it is loaded) or, with `bf16_in`, uint16 bf16 bits (in_proj's product from cuBLASLt's bf16
+    epilogue: the values the f32 path rounds to, so the same bits). Block y < 2 * key_heads
     is one q (then k) head: its conv outputs L2-normalised over the head; the other blocks
     are THREADS plain channels each, from channel 2 * key_heads * key_dim on. Grid: (row
     tiles, channel blocks), row tiles fastest (channel blocks fastest ran 1.4x slower at the
@@ -85,6 +92,8 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
     # at once (norms.warp_sum_rows), lane l holding row l >> shift; else a warp_sum a row
     scatter = 1 < row_tile <= 32 and row_tile & (row_tile - 1) == 0
     shift = 5 - (row_tile.bit_length() - 1)
+    load = bf16_to_f32 if bf16_in else _same  # x's element as f32 ..
+    rounded = _same if bf16_in else round_bf16  # .. then as bf16 (an f32 x only)
 
     @cuda.jit(device=True, inline=True)
     def conv_tile(x, row_start, slots, weight, tails, r0, end, c, y, k):
@@ -113,12 +122,12 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
         if inside:
             first = u32(r0 - keep)  # >= row0 >= 0; first + m has no wraparound for LLVM to keep
             for m in range(span):  # every load issued before any is used
-                xin[m] = x[first + u32(m), cu]
+                xin[m] = load(x[first + u32(m), cu])
         else:
             for m in range(span):  # rows clamped into the call's
-                xin[m] = x[u32(min(max(r0 - keep + m, 0), end - 1)), cu]
+                xin[m] = load(x[u32(min(max(r0 - keep + m, 0), end - 1)), cu])
         for m in range(span):
-            xin[m] = round_bf16(xin[m])  # bf16_to_f32(f32_to_bf16(.)), in 32-bit arithmetic
+            xin[m] = rounded(xin[m])  # bf16_to_f32(f32_to_bf16(.)), in 32-bit arithmetic
         if inside:  # the same sums as below, from xin only
             for i in range(row_tile):
                 acc = _F32(0.0)
@@ -145,7 +154,7 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
     @fast
     @cuda.jit
     def _conv_kernel(x, row_start, slots, weight, tails, key_heads, qn, kn, out):
-        # x: [rows, channels] f32 (may be a column slice); row_start: [lanes + 1] i32
+        # x: [rows, channels] f32 or bf16 (may be a column slice); row_start: [lanes + 1] i32
         # slots: [lanes] i32; weight: [channels, taps] f32; tails: [slots, taps - 1, channels] bf16
         # qn, kn: [rows, key_heads, key_dim] f32; out: [rows, channels - 2 key_heads key_dim] f32
         t = cuda.threadIdx.x
@@ -215,29 +224,36 @@ def _conv_kernel_for(taps: int, key_dim: int, row_tile: int):
     return _conv_kernel
 
 
-@fast
-@cuda.jit
-def _tail_kernel(x, row_start, slots, tails):
-    # x: [rows, channels] f32; row_start: [lanes + 1] i32; slots: [lanes] i32
-    # tails: [slots, kernel - 1, channels] bf16 -> the last kernel - 1 rows of concat(tail, bf16(x))
-    c = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
-    lane = cuda.blockIdx.y
-    if c >= x.shape[1]:
-        return
-    slot = slots[lane]
-    row0 = row_start[lane]
-    rows = row_start[lane + 1] - row0
-    keep = tails.shape[1]
-    for i in range(keep):
-        p = rows + i
-        if p < keep:
-            tails[slot, i, c] = tails[slot, p, c]
-        else:
-            tails[slot, i, c] = f32_to_bf16(x[row0 + p - keep, c])
+@functools.cache
+def _tail_kernel_for(bf16_in: bool):
+    """The tail update for an f32 x (rounded to bf16 here) or, with `bf16_in`, a bf16 one."""
+    to_bf16 = _same if bf16_in else f32_to_bf16
+
+    @fast
+    @cuda.jit
+    def _tail_kernel(x, row_start, slots, tails):
+        # x: [rows, channels] f32 or bf16; row_start: [lanes + 1] i32; slots: [lanes] i32
+        # tails: [slots, kernel - 1, channels] bf16 -> the last kernel - 1 rows of concat(tail, bf16(x))
+        c = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+        lane = cuda.blockIdx.y
+        if c >= x.shape[1]:
+            return
+        slot = slots[lane]
+        row0 = row_start[lane]
+        rows = row_start[lane + 1] - row0
+        keep = tails.shape[1]
+        for i in range(keep):
+            p = rows + i
+            if p < keep:
+                tails[slot, i, c] = tails[slot, p, c]
+            else:
+                tails[slot, i, c] = to_bf16(x[row0 + p - keep, c])
+
+    return _tail_kernel
 
 
 def _check(x, row_start, slots, weight, tails) -> None:
-    check("x", x, np.float32, 2)
+    check("x", x, np.uint16 if getattr(x, "dtype", None) == np.uint16 else np.float32, 2)
     check("weight", weight, np.float32, 2)
     check("tails", tails, np.uint16, 3)
     channels = x.shape[1]
@@ -256,15 +272,17 @@ def _launch(x, row_start, slots, weight, tails, key_heads, key_dim, qn, kn, out,
     row_tile = 1 if rows <= lanes else ROW_TILE
     plain = channels - 2 * key_heads * key_dim
     grid = (blocks(rows, row_tile), 2 * key_heads + (blocks(plain) if plain else 0))
-    _conv_kernel_for(weight.shape[1], key_dim, row_tile)[grid, THREADS, stream](
+    bf16_in = x.dtype == np.uint16
+    _conv_kernel_for(weight.shape[1], key_dim, row_tile, bf16_in)[grid, THREADS, stream](
         x, row_start, slots, weight, tails, key_heads, qn, kn, out)
-    _tail_kernel[(blocks(channels), lanes), THREADS, stream](x, row_start, slots, tails)
+    _tail_kernel_for(bf16_in)[(blocks(channels), lanes), THREADS, stream](x, row_start, slots, tails)
 
 
 def causal_conv1d(x, row_start, slots, weight, tails, out=None, stream=0):
     """out = silu(causal depthwise conv of concat(tail, bf16(x))) per lane; tails advance.
 
-    x: f32 device [rows, channels] (rows of all lanes, lane l owning rows
+    x: f32 device [rows, channels], or uint16 bf16 bits (the same bits as from the f32
+    values they round; the backend's long prefill chunks take in_proj so) (rows of all lanes, lane l owning rows
     [row_start[l], row_start[l + 1])); row_start: i32 [lanes + 1]; slots: i32 [lanes]
     (each lane's stream slot, distinct); weight: f32 [channels, kernel];
     tails: uint16 (bf16) [slots, kernel - 1, channels] (one layer, updated in place).

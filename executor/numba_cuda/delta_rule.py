@@ -14,12 +14,13 @@ ops.gated_delta_rule_chunked / ops.gated_delta_rule_step.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda, uint32 as u32
 
-from executor.numba_cuda.device import THREADS, blocks, check, empty
+from executor.numba_cuda.device import THREADS, bf16_to_f32, blocks, check, empty, round_bf16
 from executor.numba_cuda.launch import fast
 
 MAX_KEY_DIM = 256
@@ -29,40 +30,51 @@ KEY_GROUPS = THREADS // VALUE_COLS
 _F32 = np.float32
 
 
-@fast
-@cuda.jit
-def _gates_kernel(a, b, a_log, dt_bias, g, beta):
-    # a, b: [rows, value_heads] f32 (may be column slices); g, beta: [rows, value_heads] f32
-    i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
-    heads = g.shape[1]
-    if i >= g.shape[0] * heads:
-        return
-    row = u32(i // heads)  # unsigned indices (all >= 0): no negative-index wraparound code
-    h = u32(i % heads)
-    x = a[row, h] + dt_bias[h]
-    sp = x if x > _F32(20.0) else math.log1p(math.exp(x))
-    g[row, h] = -math.exp(a_log[h]) * sp
-    beta[row, h] = _F32(1.0) / (_F32(1.0) + math.exp(-b[row, h]))
+@functools.cache
+def _gates_kernel_for(bf16_in: bool):
+    """The gates kernel for f32 a and b (rounded to bf16 as they are loaded) or, with `bf16_in`,
+    uint16 bf16 bits (in_proj's product from cuBLASLt's bf16 epilogue): the same bits."""
+    value = bf16_to_f32 if bf16_in else round_bf16
+
+    @fast
+    @cuda.jit
+    def _gates_kernel(a, b, a_log, dt_bias, g, beta):
+        # a, b: [rows, value_heads] f32 or bf16 (may be column slices); g, beta: [rows, value_heads] f32
+        i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+        heads = g.shape[1]
+        if i >= g.shape[0] * heads:
+            return
+        row = u32(i // heads)  # unsigned indices (all >= 0): no negative-index wraparound code
+        h = u32(i % heads)
+        x = value(a[row, h]) + dt_bias[h]
+        sp = x if x > _F32(20.0) else math.log1p(math.exp(x))
+        g[row, h] = -math.exp(a_log[h]) * sp
+        beta[row, h] = _F32(1.0) / (_F32(1.0) + math.exp(-value(b[row, h])))
+
+    return _gates_kernel
 
 
 def delta_gates(a, b, a_log, dt_bias, stream=0):
     """The decay (log space) and write strength of every row and value head:
-    g = -exp(a_log) * softplus(a + dt_bias) (softplus(x) = x past 20), beta = sigmoid(b).
+    g = -exp(a_log) * softplus(bf16(a) + dt_bias) (softplus(x) = x past 20), beta = sigmoid(bf16(b)).
 
-    a, b: f32 device [rows, value_heads] (may be column slices of the in_proj output);
+    a, b: f32 device [rows, value_heads] (may be column slices of the in_proj output), rounded
+    to bf16 first (transformers' in_proj_a / in_proj_b are bf16 Linears; since session 39), or
+    both uint16 bf16 bits (the same outputs as from the f32 values they round);
     a_log, dt_bias: f32 [value_heads]. Returns (g, beta), f32 [rows, value_heads]. One
     thread per element. Raises ValueError on a wrong dtype, rank or shape. Twin:
-    ops.delta_gates (Qwen3_5GatedDeltaNet's g and beta).
+    ops.delta_gates on bf16-rounded a and b (Qwen3_5GatedDeltaNet's g and beta).
     """
-    check("a", a, np.float32, 2)
-    check("b", b, np.float32, 2)
+    bf16_in = getattr(a, "dtype", None) == np.uint16
+    check("a", a, np.uint16 if bf16_in else np.float32, 2)
+    check("b", b, np.uint16 if bf16_in else np.float32, 2)
     if tuple(b.shape) != tuple(a.shape) or a_log.shape[0] != a.shape[1] or dt_bias.shape[0] != a.shape[1]:
         raise ValueError(f"a {a.shape}, b {b.shape}, a_log {a_log.shape}, dt_bias {dt_bias.shape} do not fit")
     rows, value_heads = a.shape
     g = empty((rows, value_heads), np.float32, stream)
     beta = empty((rows, value_heads), np.float32, stream)
     if rows:
-        _gates_kernel[blocks(rows * value_heads), THREADS, stream](a, b, a_log, dt_bias, g, beta)
+        _gates_kernel_for(bf16_in)[blocks(rows * value_heads), THREADS, stream](a, b, a_log, dt_bias, g, beta)
     return g, beta
 
 

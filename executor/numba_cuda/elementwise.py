@@ -26,7 +26,7 @@ from executor.numba_cuda.device import (
     f32_to_bf16,
     round_bf16,
 )
-from executor.numba_cuda.gemv import WORD, bf16_hi, bf16_lo, vector_load
+from executor.numba_cuda.gemv import WORD, bf16_hi, bf16_lo, vector_load, vector_store
 from executor.numba_cuda.launch import fast
 
 _F32 = np.float32
@@ -92,19 +92,17 @@ def _swiglu_word(g, u):
 @cuda.jit
 def _swiglu_bf16_kernel(gate_up, inter, out):
     # gate_up: flat WORD view of [rows, 2 * inter] bf16 (two a word); out: flat uint32 view of
-    # [rows, inter] bf16; a thread takes 8 columns (two 16-byte loads, four 4-byte stores), the
-    # bits of _swiglu_kernel on the f32 values these round from
+    # [rows, inter] bf16; a thread takes 8 columns (two 16-byte loads, one 16-byte store: four
+    # 4-byte stores ran at 1.87 TB/s, this at 3.05, bench/RESULTS.md session 39), the bits of
+    # _swiglu_kernel on the f32 values these round from
     row = u32(cuda.blockIdx.y)
     i = u32((cuda.blockIdx.x * THREADS + cuda.threadIdx.x) * 8)
     if i < inter:
         base = (row * u32(2) * u32(inter) + i) >> u32(1)
         g = vector_load(gate_up, base)
         u = vector_load(gate_up, base + (u32(inter) >> u32(1)))
-        o = (row * u32(inter) + i) >> u32(1)
-        out[o] = _swiglu_word(g[0], u[0])
-        out[o + u32(1)] = _swiglu_word(g[1], u[1])
-        out[o + u32(2)] = _swiglu_word(g[2], u[2])
-        out[o + u32(3)] = _swiglu_word(g[3], u[3])
+        vector_store(out, (row * u32(inter) + i) >> u32(1), _swiglu_word(g[0], u[0]), _swiglu_word(g[1], u[1]),
+                     _swiglu_word(g[2], u[2]), _swiglu_word(g[3], u[3]))
 
 
 if IS_SIMULATOR:
@@ -175,7 +173,7 @@ def swiglu(gate_up, out=None, stream=0):
 
 def _swiglu_bf16(gate_up, out, stream):
     """`swiglu` of a bf16 (uint16) gate_up [rows, 2 * inter], inter % 8 == 0, C-contiguous and
-    16-byte aligned (its 16-byte loads; fresh allocations are)."""
+    16-byte aligned, as out is (its 16-byte loads and stores; fresh allocations are)."""
     check("gate_up", gate_up, np.uint16, 2)
     rows, width = gate_up.shape
     inter = width // 2
@@ -187,6 +185,8 @@ def _swiglu_bf16(gate_up, out, stream):
         check("out", out, np.uint16, 2)
         if tuple(out.shape) != (rows, inter) or not out.is_c_contiguous():
             raise ValueError(f"out {out.shape} must be a C-contiguous [{rows}, {inter}]")
+        if not IS_SIMULATOR and rows and device_pointer(out) % 16:
+            raise ValueError("out of a bf16 gate_up must be 16-byte aligned")
     out = empty((rows, inter), np.uint16, stream) if out is None else out
     if rows:
         _swiglu_bf16_kernel[(blocks(inter // 8), rows), THREADS, stream](

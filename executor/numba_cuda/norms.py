@@ -20,10 +20,12 @@ from numba import cuda, uint32 as u32
 from executor.numba_cuda.device import (
     IS_SIMULATOR,
     THREADS,
+    bf16_to_f32,
     check,
     device_pointer,
     empty,
     f32_to_bf16,
+    round_bf16,
 )
 from executor.numba_cuda.launch import fast
 
@@ -371,7 +373,7 @@ warps idle). Knob: more warps a block are fewer, larger blocks; no bit depends o
 
 
 @functools.cache
-def _gated_rms_norm_kernel_for(dim: int, warps: int):
+def _gated_rms_norm_kernel_for(dim: int, warps: int, bf16_gate: bool = False):
     """The gated RMSNorm kernel for heads of `dim`, `warps` heads of one row a block (grid: rows,
     head groups): each lane loads its dim / 32 values of x and of the gate before it sums any (a
     lane that loaded, summed and loaded again had one load in flight: ~1.2 TB/s at the 9B's
@@ -384,13 +386,18 @@ def _gated_rms_norm_kernel_for(dim: int, warps: int):
     warp); now from the block's two grid indices. Lane and head are unsigned 32-bit values, so
     no index has wraparound or sign code, and the bf16 of an output is rounded in 32-bit
     arithmetic (device.f32_to_bf16, the same bits): the 9B's 32K prefill's gated norms 15.7 ->
-    11.5 ms on the H100, the same logits bits (bench/RESULTS.md, session 37)."""
+    11.5 ms on the H100, the same logits bits (bench/RESULTS.md, session 37).
+
+    The gate is rounded to bf16 first (transformers' in_proj_z is a bf16 Linear's output; since
+    session 39): an f32 gate as it is loaded, a uint16 one (`bf16_gate`: in_proj's product from
+    cuBLASLt's bf16 epilogue) is those bits already, so both give the same outputs."""
     n = max(1, -(-dim // 32))  # values a lane holds
+    gate_value = bf16_to_f32 if bf16_gate else round_bf16
 
     @fast
     @cuda.jit
     def _gated_rms_norm_kernel(x, gate, weight, eps, out):
-        # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32; weight: [dim] f32
+        # x: [rows, heads, dim] f32; gate: [rows, heads * dim] f32 or bf16; weight: [dim] f32
         # out: [rows, heads * dim] bf16; one warp per (row, head)
         tid = u32(cuda.threadIdx.x)
         lane = tid % u32(32)
@@ -407,7 +414,7 @@ def _gated_rms_norm_kernel_for(dim: int, warps: int):
             i = u32(lane + u32(32 * k))
             if i < dim:
                 xs[k] = x[row, head, i]
-                gs[k] = gate[row, u32(col + i)]
+                gs[k] = gate_value(gate[row, u32(col + i)])
         ssq = _F32(0.0)
         for k in range(n):
             if u32(lane + u32(32 * k)) < dim:
@@ -426,17 +433,19 @@ def _gated_rms_norm_kernel_for(dim: int, warps: int):
 
 
 def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
-    """out = bf16(rms_norm(x) * weight * silu(gate)) per head.
+    """out = bf16(rms_norm(x) * weight * silu(bf16(gate))) per head.
 
-    x: f32 [rows, heads, dim]; gate: f32 [rows, heads * dim] (may be a column slice of a
-    wider GEMM output); weight: f32 [dim]; returns uint16 (bf16) [rows, heads * dim].
+    x: f32 [rows, heads, dim]; gate: f32 or uint16 (bf16 bits) [rows, heads * dim] (may be a
+    column slice of a wider GEMM output; an f32 gate gives the bits of its bf16 rounding);
+    weight: f32 [dim]; returns uint16 (bf16) [rows, heads * dim].
     One warp per (row, head): a lane sums dims lane, lane + 32, ... then a fixed xor
     butterfly; a row's bits never depend on the other rows. Raises ValueError naming the
     argument on a wrong dtype or rank, or when gate or weight do not fit x. Twin:
-    ops.gated_rms_norm (its output flattened per row).
+    ops.gated_rms_norm on the bf16-rounded gate (its output flattened per row).
     """
     check("x", x, np.float32, 3)
-    check("gate", gate, np.float32, 2)
+    bf16_gate = getattr(gate, "dtype", None) == np.uint16
+    check("gate", gate, np.uint16 if bf16_gate else np.float32, 2)
     check("weight", weight, np.float32, 1)
     rows, heads, dim = x.shape
     if tuple(gate.shape) != (rows, heads * dim) or weight.shape[0] != dim:
@@ -444,7 +453,7 @@ def gated_rms_norm(x, gate, weight, eps: float, out=None, stream=0):
     out = empty((rows, heads * dim), np.uint16, stream) if out is None else out
     if rows:
         warps = GATED_WARPS
-        _gated_rms_norm_kernel_for(dim, warps)[(rows, -(-heads // warps)), warps * 32, stream](
+        _gated_rms_norm_kernel_for(dim, warps, bf16_gate)[(rows, -(-heads // warps)), warps * 32, stream](
             x, gate, weight, eps, out)
     return out
 

@@ -297,9 +297,9 @@ def test_bf16_products_on_the_gpu_are_the_rounding_of_the_f32_ones(n, k):
         assert unequal_rounded(gemm.matmul(x, w, bf16=True), gemm.matmul(x, w)) == 0, m
 
 
-def test_gate_up_takes_bf16_past_1024_prefill_rows_only():
-    """NumbaCudaBackend._gate_up (the simulator's NumPy products): bf16 for a prefill chunk of
-    more than 1,024 rows with gate_up_bf16 on, f32 at 1,024 rows, with it off and in decode
+def test_products_take_bf16_past_1024_prefill_rows_only():
+    """NumbaCudaBackend._product (in_proj and gate|up; the simulator's NumPy products): bf16 for
+    a prefill chunk of more than 1,024 rows with bf16_products on, f32 at 1,024 rows, with it off and in decode
     (GEMV); the bf16 product is the f32 one's rounding."""
     from executor.numba_cuda.backend import NumbaCudaBackend
     from executor.numba_cuda.gemv import gemv
@@ -309,14 +309,14 @@ def test_gate_up_takes_bf16_past_1024_prefill_rows_only():
         pytest.skip("routing only; on a GPU test_gpu_backend checks the bits end to end")
     r = rng()
     stub = NumbaCudaBackend.__new__(NumbaCudaBackend)
-    stub.gemm, stub.gate_up_bf16 = Gemm(), True
+    stub.gemm, stub.bf16_products = Gemm(), True
     h = to_device((r.standard_normal((1025, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16))
     w = to_device((r.standard_normal((16, 24), np.float32).view(np.uint32) >> 16).astype(np.uint16))
     mm = stub.gemm.matmul
-    long = stub._gate_up(h, w, mm, 0)
+    long = stub._product(h, w, mm, 0)
     assert long.dtype == np.uint16
     np.testing.assert_array_equal(long.copy_to_host(), f32_to_bf16(mm(h, w).copy_to_host()))
-    assert stub._gate_up(to_device(h.copy_to_host()[:1024]), w, mm, 0).dtype == np.float32
-    assert stub._gate_up(to_device(h.copy_to_host()[:3]), w, gemv, 0).dtype == np.float32
-    stub.gate_up_bf16 = False
-    assert stub._gate_up(h, w, mm, 0).dtype == np.float32
+    assert stub._product(to_device(h.copy_to_host()[:1024]), w, mm, 0).dtype == np.float32
+    assert stub._product(to_device(h.copy_to_host()[:3]), w, gemv, 0).dtype == np.float32
+    stub.bf16_products = False
+    assert stub._product(h, w, mm, 0).dtype == np.float32

@@ -89,8 +89,26 @@ def test_gated_rms_norm_reads_a_column_slice(rows, heads, dim):
     weight = (1 + r.normal(0, 0.1, dim)).astype(np.float32)
     with poisoned():
         out = host(norms.gated_rms_norm(to_device(x), to_device(wide)[:, 5:], to_device(weight), 1e-6))
-    ref = ops.gated_rms_norm(x, wide[:, 5:].reshape(rows, heads, dim), weight, 1e-6).reshape(rows, -1)
+    ref = ops.gated_rms_norm(x, as_f32(bf16(wide[:, 5:])).reshape(rows, heads, dim), weight, 1e-6).reshape(rows, -1)
     assert_close("gated_rms_norm", ref, as_f32(out), BF16_TOL, rel=True)
+    with poisoned():  # a bf16 gate (in_proj from cuBLASLt's bf16 epilogue): the bits of the f32 one it rounds
+        from_bf16 = host(norms.gated_rms_norm(to_device(x), to_device(bf16(wide))[:, 5:], to_device(weight), 1e-6))
+    np.testing.assert_array_equal(from_bf16, out)
+
+
+def test_gated_rms_norm_rounds_the_gate_first():
+    """Gates one f32 ulp over a bf16 tie give the bits of their bf16 rounding (up), not of the
+    rounding down a kernel that skips the rounding would be nearer to: 32 heads of x, so some
+    outputs tell the two apart."""
+    r = rng()
+    rows, heads, dim = 1, 32, 32
+    x = r.normal(size=(rows, heads, dim)).astype(np.float32)
+    weight = np.ones(dim, np.float32)
+    over = np.full((rows, heads * dim), np.uint32(0x3F808001).view(np.float32))  # rounds up to 0x3F81
+    up, down = (np.full_like(over, np.uint32(b).view(np.float32)) for b in (0x3F810000, 0x3F800000))
+    run = [host(norms.gated_rms_norm(to_device(x), to_device(g), to_device(weight), 1e-6)) for g in (over, up, down)]
+    np.testing.assert_array_equal(run[0], run[1])
+    assert not np.array_equal(run[1], run[2])
 
 
 def _warp_sum_rows_kernel(count):
@@ -172,7 +190,7 @@ def test_gated_rms_norm_sums_in_its_order(other):
         ours, theirs = _gated_inv(x, eps), _gated_inv(x, eps, other)
         if ours == theirs:
             continue
-        gate = r.normal(1.0, 0.5, dim).astype(np.float32)
+        gate = as_f32(bf16(r.normal(1.0, 0.5, dim).astype(np.float32)))  # bf16 values: the kernel's rounding keeps them
         silu = np.array([g / (f(1.0) + f(math.exp(-g))) for g in gate], np.float32)
         i = int(np.argmax(np.abs(x)))  # weight i puts output i at a bf16 rounding tie, give or take ulps
         value = f(f(x[i] * ours) * silu[i])

@@ -131,6 +131,30 @@ def _conv_qkv(x, tails, weight, key_heads, key_dim, row_start, slots):
     return host(qn), host(kn), host(v), d_tails.copy_to_host()
 
 
+def test_causal_conv1d_qkv_takes_bf16_x_with_the_f32_bits():
+    """x as bf16 bits (in_proj from cuBLASLt's bf16 epilogue) gives the outputs and tails of
+    the f32 x it rounds, over lanes (row tiles crossing lanes, an empty lane), with columns
+    sliced from a wider product as the backend does (kept small: the simulator runs a thread
+    at a time; on the H100 in session 39 it passed with a decode-row case too)."""
+    r = rng()
+    key_heads, key_dim, taps = 2, 8, 4
+    channels = 2 * key_heads * key_dim + 12
+    weight = (r.normal(size=(channels, taps)) / 2).astype(np.float32)
+    tails = bf16(r.normal(size=(4, taps - 1, channels)))
+    for row_start, slots in (([0, 5, 5, 11, 12], [2, 0, 3, 1]),):
+        wide = r.normal(size=(row_start[-1], channels + 6)).astype(np.float32)
+        outs = []
+        for x in (to_device(wide), to_device(bf16(wide))):
+            d_tails = to_device(tails)
+            with poisoned():
+                got = conv.causal_conv1d_qkv(x[:, :channels], to_device(np.asarray(row_start, np.int32)),
+                                             to_device(np.asarray(slots, np.int32)), to_device(weight), d_tails,
+                                             key_heads, key_dim)
+            outs.append([host(o) for o in got] + [d_tails.copy_to_host()])
+        for a, b in zip(*outs):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(("key_heads", "key_dim", "value_channels", "rows"),
                          [(1, 8, 12, 13), (1, 128, 4, 9), (1, 160, 0, 9)], ids=["small", "a-block", "two-a-thread"])
 def test_causal_conv1d_qkv_is_the_conv_then_the_norm(key_heads, key_dim, value_channels, rows):
@@ -217,11 +241,12 @@ def test_causal_conv1d_qkv_refuses_what_does_not_fit():
 
 
 def _inputs(r, rows, key_heads=1, value_heads=2, key_dim=8, value_dim=4):
-    """(q | k | v conv outputs [rows, channels], a | b [rows, 2 value_heads], a_log, dt_bias,
-    key_heads, key_dim)."""
+    """(q | k | v conv outputs [rows, channels], a | b [rows, 2 value_heads] (bf16 values, as
+    transformers' bf16 in_proj_a / in_proj_b give them and delta_gates rounds them), a_log,
+    dt_bias, key_heads, key_dim)."""
     key = 2 * key_heads * key_dim
     mixed = r.normal(size=(rows, key + value_heads * value_dim)).astype(np.float32)
-    ab = r.normal(size=(rows, 2 * value_heads)).astype(np.float32)
+    ab = as_f32(bf16(r.normal(size=(rows, 2 * value_heads)).astype(np.float32)))
     a_log = np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32)
     dt_bias = r.normal(0, 0.5, value_heads).astype(np.float32)
     return mixed, ab, a_log, dt_bias, key_heads, key_dim
@@ -254,10 +279,20 @@ def test_delta_gates_match_twins():
     mixed, ab, a_log, dt_bias, key_heads, key_dim = _inputs(r, 3)
     ab[0, 0] = 25.0  # softplus's linear branch (x > 20)
     states = to_device(np.zeros((1, 2, key_dim, 4), np.float32))
+    ab[1, 1] = np.uint32(0x3F808001).view(np.float32)  # one ulp over a bf16 tie: rounds up (to 0x3F81)
     _, _, g, beta, _ = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [0], [0, 3])
-    g_ref, beta_ref = ops.delta_gates(ab[:, :2], ab[:, 2:], a_log, dt_bias)
+    rounded = as_f32(bf16(ab))  # transformers' in_proj_a / in_proj_b are bf16 Linears
+    g_ref, beta_ref = ops.delta_gates(rounded[:, :2], rounded[:, 2:], a_log, dt_bias)
     assert_close("g", g_ref, g, 1e-5, rel=True)
     assert_close("beta", beta_ref, beta, 1e-5, rel=True)
+    d_ab = to_device(bf16(ab))  # bf16 a and b (in_proj from cuBLASLt's bf16 epilogue): the same bits
+    with poisoned():
+        g16, beta16 = delta_rule.delta_gates(d_ab[:, :2], d_ab[:, 2:], to_device(a_log), to_device(dt_bias))
+    np.testing.assert_array_equal(host(g16), g)
+    np.testing.assert_array_equal(host(beta16), beta)
+    ab[1, 1] = np.uint32(0x3F800000).view(np.float32)  # what the rounding down would give: other bits
+    _, _, g_down, _, _ = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [0], [0, 3])
+    assert g_down[1, 1] != g[1, 1]
     d = to_device(ab)
     with pytest.raises(ValueError, match="do not fit"):
         delta_rule.delta_gates(d[:, :2], d[:, 1:], to_device(a_log), to_device(dt_bias))

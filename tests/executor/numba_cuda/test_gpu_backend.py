@@ -142,7 +142,7 @@ def _flash_attention_roundings(q, k, v, start, block=32, segment=512, lazy=8.0):
 
 def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     """The reference with the serving format's bf16 roundings (GEMM inputs, gate and up, conv
-    input and tail, K/V; for prefill rows also q and the attention probabilities, as the tensor-core
+    input and tail, z, a and b, K/V; for prefill rows also q and the attention probabilities, as the tensor-core
     prefill rounds them) emulated: what remains is fp32-vs-float64 math and summation
     order, so this checks the wiring far tighter than the plain comparison."""
     from executor.reference import ops
@@ -155,6 +155,9 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     monkeypatch.setattr(ops, "swiglu_mlp", lambda x, wg, wu, wd: ops.linear(
         ops.silu(r(ops.linear(x, wg))) * r(ops.linear(x, wu)), wd))
     monkeypatch.setattr(ops, "causal_conv1d", lambda x, tail, w: conv1d(r(x), r(tail), w))
+    gated, gates = ops.gated_rms_norm, ops.delta_gates
+    monkeypatch.setattr(ops, "gated_rms_norm", lambda x, z, w, eps: gated(x, r(z), w, eps))
+    monkeypatch.setattr(ops, "delta_gates", lambda a, b, a_log, dt_bias: gates(r(a), r(b), a_log, dt_bias))
     monkeypatch.setattr(ops, "attention", lambda q, k, v, start: (
         emulate(q, r(k), r(v), start) if len(q) > 1 else attend(q, r(k), r(v), start)))
     steps = []
@@ -162,8 +165,14 @@ def test_logits_match_reference_with_the_serving_roundings(models, monkeypatch):
     print(f"vs bf16-emulating reference: max {max(errors):.2e} median {np.median(errors):.2e}")
     # Measured on the H200: gva-untied max 2.3e-3, tied-deep max 1.1e-2 / median 3.0e-3 (a
     # bf16 probability that rounds the other way, carried through eight layers). Session 38's
-    # lazy max with the old emulator (the exact max, no segments): tied-deep max 5.5e-2
-    assert max(errors) < 2e-2 and np.median(errors) < 5e-3
+    # lazy max with the old emulator (the exact max, no segments): tied-deep max 5.5e-2.
+    # Session 39 rounds z, a and b to bf16 too (on the GPU and here): tied-deep max 2.67e-2 /
+    # median 5.48e-3 on an H100. Each rounding is a new place where the GPU's fp32 value and
+    # this float64 one fall either side of a bf16 tie; in the reference alone, noise of 2^-20
+    # before every rounding moved tied-deep's logits by max 2.5-4.0e-2 / median 1.1-1.2e-2
+    # without the z, a, b roundings and 0.9-1.2e-1 / 1.6-1.8e-2 with them (bench/RESULTS.md,
+    # session 39), so the bound follows (a wiring error moves logits by O(1)).
+    assert max(errors) < 4e-2 and np.median(errors) < 8e-3
     # greedy equal, except where the reference's two picks are closer than the run's measured
     # logit error (the median over steps of the largest |deviation|: the issue's exception)
     typical = float(np.median([deviation for _, deviation in steps]))
@@ -405,32 +414,35 @@ def test_residual_accumulate_gives_the_separate_add_s_bits(models, monkeypatch):
         assert _same(a, b)
 
 
-def test_gate_up_bf16_gives_the_f32_path_s_bits(real_heads, monkeypatch):
-    """Prefill chunks of more than 1,024 rows take gate|up in bf16 from cuBLASLt's epilogue
-    (`gate_up_bf16`, on by default): the last-row logits and every state byte equal the f32
-    product's, which SwiGLU rounds itself, over one chunk, a cut leaving a 1,236-row chunk and
-    a 1,024-row chunk (f32 either way), with and without a tail."""
+def test_bf16_products_give_the_f32_path_s_bits(real_heads, monkeypatch):
+    """Prefill chunks of more than 1,024 rows take in_proj and gate|up in bf16 from cuBLASLt's
+    epilogue (`bf16_products`, on by default): the last-row logits and every state byte equal
+    the f32 products', which the conv, gates, gated norm and SwiGLU round themselves, over one
+    chunk, a cut leaving a 1,236-row chunk and a 1,024-row chunk (f32 either way), with and
+    without a tail."""
     gpu = real_heads
     ids = _prompt(gpu.config, 1300, 21)
     calls = []
     real = gpu.gemm.matmul
+    in_proj_n = gpu.w.layers[0]["in_proj"].shape[0]
 
-    def counted(*args, bf16=False, **kwargs):
-        calls.append(bf16)
-        return real(*args, bf16=bf16, **kwargs)
+    def counted(x, w, *args, bf16=False, **kwargs):
+        calls.append((bf16, "in_proj" if w.shape[0] == in_proj_n else "other"))
+        return real(x, w, *args, bf16=bf16, **kwargs)
 
     plans = ([0, 1300], [0, 64, 1300], [0, 1024, 1300])
-    assert gpu.gate_up_bf16
+    assert gpu.bf16_products
     monkeypatch.setattr(gpu.gemm, "matmul", counted)
     tails = [(cuts, tail) for cuts in plans for tail in (None, 1290)]
     on = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
     # the first two plans' long chunks: both layers' MLPs without a tail, the first layer's with one (the
-    # last layer's MLP then runs the 10 tail rows, in f32)
-    assert calls.count(True) == 2 * 2 + 2 * 1, gpu.gemm.pinned
-    monkeypatch.setattr(gpu, "gate_up_bf16", False)
+    # last layer's MLP then runs the 10 tail rows, in f32); the linear layer's in_proj over every row
+    assert calls.count((True, "in_proj")) == 4, gpu.gemm.pinned
+    assert calls.count((True, "other")) == 2 * 2 + 2 * 1, gpu.gemm.pinned
+    monkeypatch.setattr(gpu, "bf16_products", False)
     calls.clear()
     off = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
-    assert True not in calls
+    assert not any(bf16 for bf16, _ in calls)
     for a, b in zip(on, off):
         assert _same(a, b)
 

@@ -89,7 +89,11 @@ def test_flash_lazy_max_matches_the_twin_when_scores_jump(heads, kv_heads, head_
     out = as_f32(_run(q, qg, to_device(kh), to_device(vh), 0, start))
     assert np.isfinite(out).all()
     k, v = as_f32(kh[0]), as_f32(vh[0])
-    assert_close("vs float64 twin", _ref(q, qg, k, v, start), out, TOL, rel=True)
+    # The twin gets q as the kernel reads it (bf16): at q 4x a score's own rounding error is 4x
+    # that of the other cases (|s| ~16 at head_dim 64, so ~2% in p), which failed TOL on one draw
+    # in session 39 (2.63e-2 against a bound of 2.53e-2) with nothing wrong in the walk. The
+    # emulated comparison below keeps q's rounding in.
+    assert_close("vs float64 twin", _ref(as_f32(bf16(q)), qg, k, v, start), out, TOL, rel=True)
     assert_close("vs emulated roundings", _emulated(q, qg, k, v, start).astype(np.float32), out, TOL, rel=True)
 
 

@@ -52,7 +52,13 @@ def test_the_27b_server_shape_reserves_a_prompt_cache(tmp_path):
     graphs for 16 lane counts and prefill graphs) leaves at least 32 GiB for the prompt
     cache on an H200-class GPU; its weights and state pool take their own bytes (no pool
     rounding) and the decode graphs' own buffers under 2 GiB. Session 14: no cache (the graphs held 20
-    GiB, the headroom was 20 GiB)."""
+    GiB, the headroom was 20 GiB). On a smaller GPU it skips before the start-up, which there
+    runs out of memory (an H100's 80 GB: session 39 found the check after it never reached)."""
+    from numba import cuda
+
+    total = cuda.current_context().get_memory_info()[1]
+    if total < 120 * GIB:
+        pytest.skip(f"a {total / GIB:.0f} GiB GPU cannot hold the 27B server")
     out = tmp_path / "memory.json"
     done = subprocess.run([sys.executable, "-m", "bench.memory", "--preset", "qwen3.5-27b",
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
