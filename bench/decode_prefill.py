@@ -445,7 +445,8 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
             backend.residual_accumulate, backend.gemm.large = accumulate, large
             backend.flash_lookahead = lookahead
             backend.bf16_products = products
-            prefill_ours(backend, min(rows, 1024), attrs.evolve(cfg, ttft_repeats=1), False)  # these paths' kernels compiled and warm
+            # these paths' kernels compiled and warm, past 1,024 rows the bf16 products' too (and their searches)
+            prefill_ours(backend, min(rows, 1025), attrs.evolve(cfg, ttft_repeats=1), False)
             r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
             r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
             r["attention"], r["delta"], r["accumulate"], r["gemm_large"] = path, delta, accumulate, large
@@ -464,6 +465,10 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     result["accumulate_refused"] = {f"{n}x{k}": why for (n, k), why in backend.accumulate_refused.items()}
     result["gemm_large"] = {f"{n}x{k}": pinned["buckets"][-1] for (n, k), pinned in backend.gemm.pinned.items()
                             if pinned.get("buckets")}
+    # what "bf16 products on" ran: per shape the kept algorithm (algo_id) or why none (then f32), and refused Ms
+    result["bf16_products"] = {f"{n}x{k}": pinned["bf16"] for (n, k), pinned in backend.gemm.pinned.items()
+                               if "bf16" in pinned}
+    result["bf16_refused"] = {f"{m}x{n}x{k}": why for (m, n, k), why in backend.gemm.refused_bf16.items()}
     backend.pool = None
     del backend
     gc.collect()

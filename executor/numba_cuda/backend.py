@@ -462,15 +462,16 @@ class NumbaCudaBackend:
         self.gemm.matmul(a, weight, out=x, stream=stream, accumulate=True)
         return None
 
-    def _product(self, h, weight, mm, stream):
+    def _product(self, h, weight, mm, stream, multiple: int = 1):
         """h @ weight.T for a product whose consumers round it to bf16 first (in_proj, gate|up):
         bf16 (uint16 [rows, N]) from cuBLASLt's epilogue when `bf16_products` is on, this is
         prefill (cuBLASLt) and the GEMM has a bf16 algorithm for this many rows
-        (`Gemm.bf16_ready`: more than 1,024), else f32; the same bits after the consumers
-        either way."""
+        (`Gemm.bf16_ready`: more than 1,024) and N is a multiple of `multiple` (16 for gate|up:
+        the bf16 SwiGLU's 16-byte loads need inter % 8 == 0), else f32; the same bits after the
+        consumers either way."""
         if self.bf16_products and mm == self.gemm.matmul:
             (m, _), (n, k) = h.shape, weight.shape
-            if self.gemm.bf16_ready(m, n, k):
+            if n % multiple == 0 and self.gemm.bf16_ready(m, n, k):
                 try:
                     return self.gemm.matmul(h, weight, stream=stream, bf16=True)
                 except Exception as exc:  # an M the probes missed, refused before any launch: f32 from now on
@@ -521,7 +522,7 @@ class NumbaCudaBackend:
                 x = x[first:]
             y = self._into_residual(a, w[proj], x, mm, stream)
             h = norms.add_rms_norm(x, w["post_norm"], c.rms_norm_eps, delta=y, stream=stream, threads=norm_threads)
-            delta = self._into_residual(elementwise.swiglu(self._product(h, w["gate_up"], mm, stream), stream=stream),
+            delta = self._into_residual(elementwise.swiglu(self._product(h, w["gate_up"], mm, stream, 16), stream=stream),
                                         w["down"], x, mm, stream)
         if not want_logits:
             return None

@@ -281,9 +281,9 @@ def _launch(x, row_start, slots, weight, tails, key_heads, key_dim, qn, kn, out,
 def causal_conv1d(x, row_start, slots, weight, tails, out=None, stream=0):
     """out = silu(causal depthwise conv of concat(tail, bf16(x))) per lane; tails advance.
 
-    x: f32 device [rows, channels], or uint16 bf16 bits (the same bits as from the f32
-    values they round; the backend's long prefill chunks take in_proj so) (rows of all lanes, lane l owning rows
-    [row_start[l], row_start[l + 1])); row_start: i32 [lanes + 1]; slots: i32 [lanes]
+    x: f32 device [rows, channels] or uint16 bf16 bits (as the backend's long prefill chunks
+    take in_proj; the same outputs as from the f32 values they round), the rows of all lanes
+    (lane l owning rows [row_start[l], row_start[l + 1])); row_start: i32 [lanes + 1]; slots: i32 [lanes]
     (each lane's stream slot, distinct); weight: f32 [channels, kernel];
     tails: uint16 (bf16) [slots, kernel - 1, channels] (one layer, updated in place).
     Returns f32 [rows, channels]. Each output is sum_j weight[c, j] * bf16(input) over

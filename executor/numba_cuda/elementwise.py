@@ -143,8 +143,8 @@ def swiglu(gate_up, out=None, stream=0):
     to bf16 here) or uint16 bf16 bits (cuBLASLt's bf16 epilogue: `gemm.Gemm.matmul(...,
     bf16=True)`); out: None or uint16 [rows, inter]; returns out. The same bits from an f32
     gate_up and from its bf16 rounding. Raises ValueError naming the argument on a wrong
-    dtype, rank or shape, or a bf16 gate_up whose inter is not a multiple of 8 or that is
-    not C-contiguous. An f32 gate_up with inter % 4 == 0, both arrays C-contiguous, takes
+    dtype, rank or shape, or a bf16 gate_up whose inter is not a multiple of 8, that is not
+    C-contiguous or that (or out) is not 16-byte aligned. An f32 gate_up with inter % 4 == 0, both arrays C-contiguous, takes
     four columns a thread with 16-byte loads (`_swiglu4_kernel`), else one; a bf16 one
     eight a thread (`_swiglu_bf16_kernel`). Twin: ops.silu(gate) * up on bf16-rounded gate
     and up.

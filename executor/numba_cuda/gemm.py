@@ -34,14 +34,15 @@ bucket's at their probe row counts, on random values, values that cancel, subnor
 infinities (`accumulate_probe_c`).
 
 bf16 output (`matmul(..., bf16=True)`, M past BUCKETS only): D in bf16 from cuBLASLt's epilogue,
-for the gate/up product whose one reader (SwiGLU) rounds it to bf16 anyway: half the bytes
-written, and SwiGLU reads 4 bytes an element, not 8. `bf16_algo(n, k)` keeps the fastest candidate
+for products whose readers round them to bf16 anyway (the backend's in_proj, read by the conv,
+the gates and the gated norm, and gate|up, read by SwiGLU): half the bytes written, and the
+readers read 2 bytes an element, not 4. `bf16_algo(n, k)` keeps the fastest candidate
 (the heuristic's first BUCKET_CANDIDATES at LARGE_ROWS with a bf16 D, no split-K) whose output
 equals the round-to-nearest-even bf16 of the reference algorithm's fp32 output bit for bit at
 every LARGE_PROBES row count and at LARGE_ROWS (`unequal_rounded`; some rows of x and w scaled
 so their products are fp32 subnormals, which an epilogue that flushes them would get wrong), so
-a row's bf16 gate/up are the rounding of its fp32 ones at every M and the fp32 path
-(`elementwise.swiglu` rounds) gives the same bits; and only if it is no slower than the fp32
+a row's bf16 outputs are the rounding of its fp32 ones at every M and the fp32 path (whose
+readers round) gives the same bits; and only if it is no slower than the fp32
 product of `algo_for(LARGE_ROWS)` at LARGE_ROWS (the GEMM alone: SwiGLU's halved read is then the
 gain). None otherwise, and the caller takes the fp32 path. Session 38 (H100, 9B gate_up at
 8,192 rows): all 8 bf16 candidates were that rounding; the fastest 2.031 ms against the fp32
@@ -327,7 +328,8 @@ class Gemm:
         self.large: bool = os.environ.get(LARGE_ENV, "1").strip() != "0"
         """Whether M past BUCKETS runs `_large_algo`'s choice (else the reference; the same bits).
         Off from the start (LARGE_ENV=0), pinning does not search, and turning it on later
-        changes nothing."""
+        changes nothing for the buckets. bf16 outputs (`bf16_ready`) follow it at every call:
+        none while it is off, whenever it was turned off."""
         self._bf16: dict[tuple[int, int], np.ndarray | None] = {}
         self.refused_bf16: dict[tuple[int, int, int], str] = {}
         """(M, N, K) -> why the bf16 algorithm refused that M (`bf16_ready` says no for it since)."""
@@ -568,10 +570,10 @@ class Gemm:
         reference = self.pin(n, k)
         entry: dict = {}
         self.pinned[key]["bf16"] = entry
-        self._bf16[key] = None
-        if not self.large:
-            entry["off"] = f"{LARGE_ENV}=0"
+        if not self.large:  # not kept: a search runs once `large` is on
+            entry["off"] = "Gemm.large is off"
             return None
+        self._bf16[key] = None
         began = time.perf_counter()
         try:
             rng = np.random.default_rng(seed)
@@ -615,10 +617,11 @@ class Gemm:
         return best
 
     def bf16_ready(self, m: int, n: int, k: int) -> bool:
-        """Whether `matmul(x, w, bf16=True)` may run an [m, K] x [N, K]^T product: M past BUCKETS
-        and (on a GPU) a `bf16_algo` for (N, K), searched on the first call for the shape, that
-        has not refused this M (`refused_bf16`)."""
-        if m <= BUCKETS[-1][1] or (m, n, k) in self.refused_bf16:
+        """Whether `matmul(x, w, bf16=True)` may run an [m, K] x [N, K]^T product: `large` on (it
+        may change at run time, as bench.decode_prefill's --gemm-large does), M past BUCKETS and
+        (on a GPU) a `bf16_algo` for (N, K), searched on the first call for the shape, that has
+        not refused this M (`refused_bf16`)."""
+        if not self.large or m <= BUCKETS[-1][1] or (m, n, k) in self.refused_bf16:
             return False
         return IS_SIMULATOR or self.bf16_algo(n, k) is not None
 
@@ -735,7 +738,10 @@ class Gemm:
         if accumulate:
             raise ValueError("bf16: an output in bf16 cannot accumulate")
         if not self.bf16_ready(m, n, k):
-            why = (f"runs M past {BUCKETS[-1][1]} rows only" if m <= BUCKETS[-1][1]
+            why = ("Gemm.large is off" if not self.large
+                   else f"runs M past {BUCKETS[-1][1]} rows only" if m <= BUCKETS[-1][1]
+                   else f"this M refused the bf16 algorithm: {self.refused_bf16[(m, n, k)]}"
+                   if (m, n, k) in self.refused_bf16
                    else f"no bf16-output algorithm: {self.pinned[(n, k)]['bf16']}")
             raise ValueError(f"bf16: M={m}, N={n}, K={k}: {why}")
         if out is not None:

@@ -1,4 +1,5 @@
-"""Row-invariant bf16 GEMV-style product for few rows (decode lanes, the LM head row).
+"""Row-invariant bf16 GEMV-style product for few rows (decode lanes, the LM head row), and the
+16-byte vector load and store (`vector_load`, `vector_store`) other kernels share.
 
 out[r, n] = sum_k x[r, k] * w[n, k] with bf16 inputs and fp32 accumulation. One warp owns
 one output column: lane l reads the 16-byte chunks (8 bf16) l, l + 32, l + 64, ... of the
@@ -223,11 +224,12 @@ def _vector_stores_lower() -> bool:
     if IS_SIMULATOR:
         return True
 
-    def probe(out):
-        store16(out, 0, np.uint32(1), np.uint32(2), np.uint32(3), np.uint32(4))
+    def probe(out, word):
+        # uint64 words, as `u32 | u32 << u32` types (the bf16 SwiGLU's): the truncating lowering
+        store16(out, 0, word, word | np.uint64(1), np.uint32(3), np.uint32(4))
 
     try:
-        cuda.compile_ptx(probe, (_types.uint32[::1],), cc=(9, 0))
+        cuda.compile_ptx(probe, (_types.uint32[::1], _types.uint64), cc=(9, 0))
     except Exception as exc:  # noqa: BLE001 - any typing or lowering failure selects the fallback
         warnings.warn(f"16-byte stores unavailable ({type(exc).__name__}: {exc}); using 4 x 4-byte stores")
         return False

@@ -218,10 +218,16 @@ def test_bf16_output_runs_the_fastest_algorithm_that_rounds_the_reference(monkey
     gemm._candidates = None  # never asked again
     assert gemm.bf16_algo(16, 24) is best
     assert gemm.bf16_ready(1025, 16, 24) and not gemm.bf16_ready(1024, 16, 24)
+    gemm.large = False  # turned off after the search (bench.decode_prefill --gemm-large on,off): no bf16 output
+    assert not gemm.bf16_ready(4096, 16, 24)
+    with pytest.raises(ValueError, match="Gemm.large is off"):
+        gemm.matmul(to_device(np.zeros((4096, 24), np.uint16)), to_device(np.zeros((16, 24), np.uint16)), bf16=True)
+    gemm.large = True
+    assert gemm.bf16_ready(4096, 16, 24)
     off, _ = _fake_bf16(monkeypatch)
     off.large = False
     off._candidates = None
-    assert off.bf16_algo(16, 24) is None and off.pinned[(16, 24)]["bf16"] == {"off": "WARMSTATE_GEMM_LARGE=0"}
+    assert off.bf16_algo(16, 24) is None and off.pinned[(16, 24)]["bf16"] == {"off": "Gemm.large is off"}
     assert not off.bf16_ready(4096, 16, 24)
 
 
@@ -318,5 +324,7 @@ def test_products_take_bf16_past_1024_prefill_rows_only():
     np.testing.assert_array_equal(long.copy_to_host(), f32_to_bf16(mm(h, w).copy_to_host()))
     assert stub._product(to_device(h.copy_to_host()[:1024]), w, mm, 0).dtype == np.float32
     assert stub._product(to_device(h.copy_to_host()[:3]), w, gemv, 0).dtype == np.float32
+    assert stub._product(h, w, mm, 0, 32).dtype == np.float32  # N = 16 columns: not a multiple of 32
+    assert stub._product(h, w, mm, 0, 16).dtype == np.uint16
     stub.bf16_products = False
     assert stub._product(h, w, mm, 0).dtype == np.float32

@@ -245,18 +245,24 @@ def test_swiglu(inter):
 
 
 def test_swiglu_rounds_gate_and_up_before_the_product():
-    """A gate and an up value one f32 ulp off a bf16 tie give the bits of their bf16 roundings,
-    not of the f32 values (a kernel that skips the rounding fails)."""
+    """A gate and an up value one f32 ulp over a bf16 tie give the bits of both their bf16
+    roundings (up), and not those of rounding only the gate, only the up or neither: the four
+    give 0x4002, 0x4001, 0x4001 and 0x4000, each product at least 256 f32 ulps from a bf16 tie
+    (so an exp one ulp off cannot move it)."""
     inter = 8
-    g = np.full((1, inter), np.uint32(0x41208001).view(np.float32))  # just over a tie: rounds up to 0x4121
-    u = np.full((1, inter), np.uint32(0x3F808001).view(np.float32))  # just over one: rounds up to 0x3F81
-    gate_up = np.concatenate([g, u], axis=1)
+    f = np.float32
+    g0, u0 = np.uint32(0x40058001).view(f), np.uint32(0x3F8A8001).view(f)  # round up to 0x4006, 0x3F8B
+    gate_up = np.concatenate([np.full((1, inter), g0), np.full((1, inter), u0)], axis=1)
     with poisoned():
         out = host(elementwise.swiglu(to_device(gate_up)))
-    gr, ur = (np.uint32(0x41210000).view(np.float32), np.uint32(0x3F810000).view(np.float32))
-    expected = bf16(np.array([gr / (np.float32(1) + np.exp(-gr)) * ur], np.float32))[0]
-    unrounded = bf16(np.array([g[0, 0] / (np.float32(1) + np.exp(-g[0, 0])) * u[0, 0]], np.float32))[0]
-    assert expected != unrounded
+    gr, ur = np.uint32(0x40060000).view(f), np.uint32(0x3F8B0000).view(f)
+
+    def swiglu1(g, u):
+        return bf16(np.array([f(g / (f(1) + np.exp(f(-g)))) * u], f))[0]
+
+    expected = swiglu1(gr, ur)
+    assert expected == 0x4002
+    assert expected not in (swiglu1(gr, u0), swiglu1(g0, ur), swiglu1(g0, u0))
     assert (out == expected).all()
 
 

@@ -279,7 +279,8 @@ def test_delta_gates_match_twins():
     mixed, ab, a_log, dt_bias, key_heads, key_dim = _inputs(r, 3)
     ab[0, 0] = 25.0  # softplus's linear branch (x > 20)
     states = to_device(np.zeros((1, 2, key_dim, 4), np.float32))
-    ab[1, 1] = np.uint32(0x3F808001).view(np.float32)  # one ulp over a bf16 tie: rounds up (to 0x3F81)
+    ab[1, 1] = np.uint32(0x3F808001).view(np.float32)  # a: one ulp over a bf16 tie, rounds up (to 0x3F81)
+    ab[1, 3] = np.uint32(0x3F808001).view(np.float32)  # b likewise
     _, _, g, beta, _ = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [0], [0, 3])
     rounded = as_f32(bf16(ab))  # transformers' in_proj_a / in_proj_b are bf16 Linears
     g_ref, beta_ref = ops.delta_gates(rounded[:, :2], rounded[:, 2:], a_log, dt_bias)
@@ -290,9 +291,9 @@ def test_delta_gates_match_twins():
         g16, beta16 = delta_rule.delta_gates(d_ab[:, :2], d_ab[:, 2:], to_device(a_log), to_device(dt_bias))
     np.testing.assert_array_equal(host(g16), g)
     np.testing.assert_array_equal(host(beta16), beta)
-    ab[1, 1] = np.uint32(0x3F800000).view(np.float32)  # what the rounding down would give: other bits
-    _, _, g_down, _, _ = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [0], [0, 3])
-    assert g_down[1, 1] != g[1, 1]
+    ab[1, 1] = ab[1, 3] = np.uint32(0x3F800000).view(np.float32)  # what the rounding down would give: other bits
+    _, _, g_down, beta_down, _ = _delta(mixed, ab, a_log, dt_bias, key_heads, key_dim, states, [0], [0, 3])
+    assert g_down[1, 1] != g[1, 1] and beta_down[1, 1] != beta[1, 1]
     d = to_device(ab)
     with pytest.raises(ValueError, match="do not fit"):
         delta_rule.delta_gates(d[:, :2], d[:, 1:], to_device(a_log), to_device(dt_bias))

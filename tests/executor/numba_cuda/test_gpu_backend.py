@@ -436,9 +436,14 @@ def test_bf16_products_give_the_f32_path_s_bits(real_heads, monkeypatch):
     tails = [(cuts, tail) for cuts in plans for tail in (None, 1290)]
     on = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
     # the first two plans' long chunks: both layers' MLPs without a tail, the first layer's with one (the
-    # last layer's MLP then runs the 10 tail rows, in f32); the linear layer's in_proj over every row
-    assert calls.count((True, "in_proj")) == 4, gpu.gemm.pinned
-    assert calls.count((True, "other")) == 2 * 2 + 2 * 1, gpu.gemm.pinned
+    # last layer's MLP then runs the 10 tail rows, in f32); the linear layer's in_proj over every row. A
+    # shape keeps a bf16 algorithm only if it timed no slower than f32 (tiny here: noise may decide)
+    layer = gpu.w.layers[0]
+    kept = {name: gpu.gemm.bf16_algo(*layer[name].shape) is not None for name in ("in_proj", "gate_up")}
+    assert calls.count((True, "in_proj")) == 4 * kept["in_proj"], gpu.gemm.pinned
+    assert calls.count((True, "other")) == (2 * 2 + 2 * 1) * kept["gate_up"], gpu.gemm.pinned
+    if not any(kept.values()):
+        print(f"no bf16 algorithm kept at these shapes, both runs f32: {gpu.gemm.pinned}")
     monkeypatch.setattr(gpu, "bf16_products", False)
     calls.clear()
     off = [_chunked(gpu, ids, cuts, tail_from=tail) for cuts, tail in tails]
