@@ -144,9 +144,9 @@ def swiglu(gate_up, out=None, stream=0):
     bf16=True)`); out: None or uint16 [rows, inter]; returns out. The same bits from an f32
     gate_up and from its bf16 rounding. Raises ValueError naming the argument on a wrong
     dtype, rank or shape, or a bf16 gate_up whose inter is not a multiple of 8, that is not
-    C-contiguous or that (or out) is not 16-byte aligned. An f32 gate_up with inter % 4 == 0, both arrays C-contiguous, takes
-    four columns a thread with 16-byte loads (`_swiglu4_kernel`), else one; a bf16 one
-    eight a thread (`_swiglu_bf16_kernel`). Twin: ops.silu(gate) * up on bf16-rounded gate
+    C-contiguous or that (or out) is not 16-byte aligned. An f32 gate_up with inter % 4 == 0,
+    both arrays C-contiguous, takes four columns a thread with 16-byte loads
+    (`_swiglu4_kernel`), else one; a bf16 one eight a thread (`_swiglu_bf16_kernel`). Twin: ops.silu(gate) * up on bf16-rounded gate
     and up.
     """
     if getattr(gate_up, "dtype", None) == np.uint16:

@@ -527,29 +527,44 @@ class Gemm:
             candidates += self._candidates(n, k, LARGE_ROWS)[:BUCKET_CANDIDATES]
         except Exception:  # noqa: BLE001 - a shape the heuristic refuses
             pass
-        best, best_s, equal, seen = reference, reference_s, 0, {reference.tobytes()}
+        seen, unique = {reference.tobytes()}, []
         for algo in candidates:
-            if algo.tobytes() in seen:
-                continue
-            seen.add(algo.tobytes())
+            if algo.tobytes() not in seen:
+                seen.add(algo.tobytes())
+                unique.append(algo)
+        found = self._equal_and_timed(unique, x, w, out, ref_out, x_large, weights, out_large, ref_large, unequal_words)
+        best, best_s = reference, reference_s
+        for seconds, algo in found:
+            if seconds < best_s:
+                best, best_s = algo, seconds
+        return best, entry | {"timed_at": LARGE_ROWS, "candidates": len(unique), "bit_equal_candidates": len(found),
+                              "reference_us": round(reference_s * 1e6, 1), "chosen_us": round(best_s * 1e6, 1),
+                              "algo_id": int(best[0] & 0xFFFFFFFF), "search_s": round(time.perf_counter() - began, 3)}
+
+    def _equal_and_timed(self, candidates: list, x, w, out, expected, x_timed, weights: list, out_timed,
+                         expected_timed, unequal) -> list[tuple[float, np.ndarray]]:
+        """(seconds at x_timed's rows, algo) of each candidate, in order, whose product of x's first
+        m rows and w equals expected's first m rows at every m of LARGE_PROBES, and whose timed
+        product of x_timed (`_seconds` over `weights`, into out_timed) equals expected_timed;
+        equal by `unequal` (a device count of the differing elements: `unequal_words` for an f32
+        out, `unequal_rounded` for a bf16 one against f32 expected). A candidate that raises (one
+        that rejects these M) is left out."""
+        found = []
+        for algo in candidates:
             try:
                 same = True
                 for m in LARGE_PROBES:
                     self._run(algo, x[:m], w, out[:m])
-                    same = same and unequal_words(out[:m], ref_out[:m]) == 0
+                    same = same and unequal(out[:m], expected[:m]) == 0
                 if not same:
                     continue
-                seconds = self._seconds(algo, x_large, weights, out_large)
-                if unequal_words(out_large, ref_large):
+                seconds = self._seconds(algo, x_timed, weights, out_timed)
+                if unequal(out_timed, expected_timed):
                     continue
-                equal += 1
             except Exception:  # noqa: BLE001 - an algorithm that rejects these M is not used
                 continue
-            if seconds < best_s:
-                best, best_s = algo, seconds
-        return best, entry | {"timed_at": LARGE_ROWS, "candidates": len(seen) - 1, "bit_equal_candidates": equal,
-                              "reference_us": round(reference_s * 1e6, 1), "chosen_us": round(best_s * 1e6, 1),
-                              "algo_id": int(best[0] & 0xFFFFFFFF), "search_s": round(time.perf_counter() - began, 3)}
+            found.append((seconds, algo))
+        return found
 
     def bf16_algo(self, n: int, k: int, seed: int = 0) -> np.ndarray | None:
         """The algorithm `matmul(..., bf16=True)` runs shape (N, K) with, searched once (after
@@ -589,24 +604,12 @@ class Gemm:
         except Exception as exc:  # noqa: BLE001 - no memory, or a shape the heuristic refuses: fp32 path
             entry["failed"] = repr(exc)
             return None
-        best, best_s, equal = None, 0.0, 0
-        for algo in candidates:
-            try:
-                same = True
-                for m in LARGE_PROBES:
-                    self._run(algo, x[:m], w, out[:m])
-                    same = same and unequal_rounded(out[:m], ref[:m]) == 0
-                if not same:
-                    continue
-                seconds = self._seconds(algo, x, weights, out)
-                if unequal_rounded(out, ref):
-                    continue
-            except Exception:  # noqa: BLE001 - an algorithm that rejects these M is not used
-                continue
-            equal += 1
+        found = self._equal_and_timed(candidates, x, w, out, ref, x, weights, out, ref, unequal_rounded)
+        best, best_s = None, 0.0
+        for seconds, algo in found:
             if best is None or seconds < best_s:
                 best, best_s = algo, seconds
-        entry.update(timed_at=LARGE_ROWS, candidates=len(candidates), bit_equal_candidates=equal,
+        entry.update(timed_at=LARGE_ROWS, candidates=len(candidates), bit_equal_candidates=len(found),
                      f32_us=round(f32_s * 1e6, 1), search_s=round(time.perf_counter() - began, 3))
         if best is not None:
             entry.update(fastest_us=round(best_s * 1e6, 1), algo_id=int(best[0] & 0xFFFFFFFF))
@@ -738,11 +741,14 @@ class Gemm:
         if accumulate:
             raise ValueError("bf16: an output in bf16 cannot accumulate")
         if not self.bf16_ready(m, n, k):
-            why = ("Gemm.large is off" if not self.large
-                   else f"runs M past {BUCKETS[-1][1]} rows only" if m <= BUCKETS[-1][1]
-                   else f"this M refused the bf16 algorithm: {self.refused_bf16[(m, n, k)]}"
-                   if (m, n, k) in self.refused_bf16
-                   else f"no bf16-output algorithm: {self.pinned[(n, k)]['bf16']}")
+            if not self.large:
+                why = "Gemm.large is off"
+            elif m <= BUCKETS[-1][1]:
+                why = f"runs M past {BUCKETS[-1][1]} rows only"
+            elif (m, n, k) in self.refused_bf16:
+                why = f"this M refused the bf16 algorithm: {self.refused_bf16[(m, n, k)]}"
+            else:
+                why = f"no bf16-output algorithm: {self.pinned[(n, k)]['bf16']}"
             raise ValueError(f"bf16: M={m}, N={n}, K={k}: {why}")
         if out is not None:
             check("out", out, np.uint16, 2)
