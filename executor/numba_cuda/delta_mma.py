@@ -17,6 +17,10 @@ and value head at key/value dim 128, 2.6x the CUDA-core path's 32 KB: 252 MB for
 sub-chunks with its state in registers: V' = U - W S, O = e^c (q S) + M V',
 S = e^(c_last) S + (k e^(c_last - c))^T V'.
 
+On an H100/H200, phase 2 runs delta_wgmma.py's walk where its build fits (key dim 128, split 3,
+32 or 64 state columns on 8 warps): the same products on wgmma, every bit checked equal to this
+walk's before first use (`delta_wgmma.status`; WARMSTATE_DELTA_WGMMA=0 turns it off).
+
 Numerics: by default each product is three tf32 products (SPLIT = 3, "3xTF32": ~21 bits of
 each operand; within ~2e-6 of the float64 twin, relative to the largest value); SPLIT = 1
 rounds the operands to tf32 (10-bit mantissa: ~7e-4). T is an fp32 forward substitution.
@@ -33,6 +37,7 @@ import numba
 import numpy as np
 from numba import cuda
 
+from executor.numba_cuda import delta_wgmma
 from executor.numba_cuda.delta_chunked import SUBCHUNK_ROWS, _subchunk_offset, check_chunk_args
 from executor.numba_cuda.device import IS_SIMULATOR, check, chunk_meta, device_pointer, empty
 from executor.numba_cuda.launch import allow_dynamic_shared, fast
@@ -182,7 +187,7 @@ def walk_kernel(kd: int, bv: int, warps: int, split: int):
 
 def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states, out=None, stream=0,
               per_block: int | None = None, walk: tuple[int, int] | None = None, split: int | None = None,
-              meta=None, padded: bool = False, ctas: int | None = None):
+              meta=None, padded: bool = False, ctas: int | None = None, wgmma: bool | None = None):
     """Run the gated delta rule over one stream's prefill chunk on the tensor cores, advancing
     its state in place; `delta_chunked.delta_chunked`'s arguments and result.
 
@@ -201,6 +206,10 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     uploads (rows, start_row, slot). padded: the launch serves any start row and any
     meta[0] <= rows (phase 1's grid covers the most sub-chunks; the extra CTAs return at
     once); rows past meta[0] are neither read nor written. Neither changes a bit.
+    wgmma: phase 2 on wgmma (delta_wgmma.py) or on mma.sync; None (the default) takes wgmma where
+    its build fits the walk's shape and `delta_wgmma.status()` is None (its bits checked equal to
+    the mma.sync walk's on this GPU); True where it fits, whatever the status (the check's own
+    call). The same bits either way.
     Raises ValueError naming the argument on a wrong dtype, shape, layout or alignment, a
     slot or start_row out of range; RuntimeError where the kernels cannot run (`unavailable`).
     """
@@ -259,6 +268,14 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split, ctas)
     prepare[grid, PREPARE_THREADS, stream, prepare_bytes](
         *ptrs, meta, key_heads, value_heads, channels, v0, per_block)
+    fits = delta_wgmma.fits(key_dim, bv, warps, split)
+    if wgmma and not fits:
+        raise ValueError(f"no wgmma walk for key_dim {key_dim}, walk (BV {bv}, warps {warps}), split {split}")
+    if fits and (wgmma or (wgmma is None and delta_wgmma.status() is None)):
+        delta_wgmma.launch(ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], device_pointer(states),
+                           value_heads * key_dim * value_dim * 4, device_pointer(out), meta, key_heads, value_heads,
+                           value_dim, bv, stream=stream)
+        return out
     walk_launch, walk_bytes = walk_kernel(key_dim, bv, warps, split)
     walk_launch[(value_dim // bv, value_heads), warps * 32, stream, walk_bytes](
         ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], device_pointer(states),
@@ -286,6 +303,7 @@ def probe(key_dim: int, value_dim: int, key_heads: int = 1, group: int = 2) -> N
     states = cuda.to_device(state0)
     qn = (q * np.float32(key_dim**-0.5)).astype(np.float32)
     prepare_kernel(key_dim, value_dim, SPLIT, 2)  # compiled now: the build long chunks launch (prepare_ctas)
+    delta_wgmma.status()  # decided now, before any stream capture: its check launches and synchronizes
     got = delta_mma(cuda.to_device(qn), cuda.to_device(k), cuda.to_device(v.reshape(rows, -1)), 0,
                     cuda.to_device(g), cuda.to_device(beta), 30, 0, states).copy_to_host()
     cuda.synchronize()

@@ -14,16 +14,24 @@ import ctypes
 import numpy as np
 
 
-def wgmma_function(name: str, n: int, a_registers: bool, transpose_b: bool) -> str:
+def wgmma_function(name: str, n: int, a_registers: bool, transpose_b: bool, dtype: str = "bf16") -> str:
     """CUDA C++ of `void name(float (&d)[n / 2], A, unsigned long long b_desc)`: one
     `wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16` adding A x B into d (scale-d 1).
     A is `const u32* a` (the four bf16x2 registers of mma.sync's m16n8k16 A fragment, warp w of
     the warpgroup holding rows 16w..16w+15) when a_registers, else `unsigned long long a_desc`
     (a shared-memory descriptor, K-major); transpose_b: B is MN-major. d's layout is mma.sync's
     m16n8 accumulator repeated over n / 8 column tiles (PTX ISA, "wgmma.mma_async", register
-    fragments). Raises ValueError for an n wgmma lacks (8 to 256, a multiple of 8)."""
+    fragments). dtype "tf32": `wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32` instead, A's
+    four registers mma.sync m16n8k8's tf32 fragment, B K-major only (tf32 has no transpose
+    immediates). Raises ValueError for an n wgmma lacks (8 to 256, a multiple of 8), an unknown
+    dtype, or a transposed tf32 B."""
     if not (8 <= n <= 256 and n % 8 == 0):
         raise ValueError(f"n must be a multiple of 8 in [8, 256], got {n}")
+    if dtype not in ("bf16", "tf32"):
+        raise ValueError(f"dtype must be bf16 or tf32, got {dtype!r}")
+    if dtype == "tf32" and transpose_b:
+        raise ValueError("a tf32 wgmma reads B K-major only (transpose_b False)")
+    shape = f"m64n{n}k16.f32.bf16.bf16" if dtype == "bf16" else f"m64n{n}k8.f32.tf32.tf32"
     regs = n // 2
     outs = ", ".join(f"%{i}" for i in range(regs))
     cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
@@ -33,10 +41,11 @@ def wgmma_function(name: str, n: int, a_registers: bool, transpose_b: bool) -> s
     else:
         a_arg, a_op = "unsigned long long a_desc", f"%{regs}"
         ins, b_op, tail = '"l"(a_desc), "l"(b_desc)', f"%{regs + 1}", f"0, {int(transpose_b)}"
+    scales = "p, 1, 1" if dtype == "tf32" else f"p, 1, 1, {tail}"
     return (f"__device__ __forceinline__ void {name}(float (&d)[{regs}], {a_arg}, unsigned long long b_desc) {{\n"
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"\n'
-            f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, {a_op}, {b_op}, '
-            f'p, 1, 1, {tail};\\n}}\\n"\n'
+            f'                 "wgmma.mma_async.sync.aligned.{shape} {{{outs}}}, {a_op}, {b_op}, '
+            f'{scales};\\n}}\\n"\n'
             f"                 : {cons}\n"
             f"                 : {ins});\n}}\n")
 

@@ -26,6 +26,7 @@ from tests.executor.numba_cuda.kernel_support import build_emulated, delta_input
 
 HERE = Path(__file__).parent / "emulator"
 SOURCE = Path(__file__).parents[3] / "executor" / "numba_cuda" / "delta_mma.cu"
+WGMMA_SOURCE = SOURCE.with_name("delta_wgmma.cu")
 V0 = 4
 TOL = {1: 4e-3, 3: 1e-5}
 """Relative to max |ref| against the float64 twin (the emulated products are exact, summed in
@@ -44,11 +45,13 @@ PLANTED_ALIAS = ("static constexpr int V = SL + KD * LS; // tf32(V'), then (SPLI
 S over the V' the others still read for M V' and the state update (no barrier ends a step)."""
 
 
-def device_code(source: str, plant: tuple[str, str] | None = None) -> str:
+def device_code(source: str, plant: tuple[str, str] | None = None, wgmma_plant: bool = False) -> str:
     """delta_mma.cu's device code as host C++: the mma helpers and both phases, its dynamic
-    shared memory the emulator's block buffer. plant: (text, replacement), a planted break
-    (PLANTED_BARRIER, PLANTED_ALIAS, PLANTED_DECAY, PLANTED_DECAY_ROW). Raises ValueError when the
-    source lost a marker or the plant's text is not there exactly once."""
+    shared memory the emulator's block buffer, then delta_wgmma.cu's walk (from its emulator
+    marker; the emulator stands in for its wgmma instructions). plant: (text, replacement), a
+    planted break (PLANTED_BARRIER, PLANTED_ALIAS, PLANTED_DECAY, PLANTED_DECAY_ROW; with
+    wgmma_plant, one of the wgmma walk's: PLANTED_WGMMA_*). Raises ValueError when a source lost
+    a marker or the plant's text is not there exactly once."""
     markers = ("template <int SPLIT, bool A_TF32", "__device__ __forceinline__ u32 smem_addr",
                "// Shared-memory layout of phase 1", "// Entry points")
     missing = [m for m in markers if m not in source]
@@ -57,11 +60,21 @@ def device_code(source: str, plant: tuple[str, str] | None = None) -> str:
     helpers = source[source.index(markers[0]) : source.index(markers[1])]
     body = source[source.index(markers[2]) : source.index(markers[3])]
     body = body.replace("extern __shared__ __align__(16) float smem[];", "float* smem = g_smem;")
-    if plant is not None:
+    if plant is not None and not wgmma_plant:
         if body.count(plant[0]) != 1:
             raise ValueError(f"delta_mma.cu no longer has exactly one {plant[0]!r}")
         body = body.replace(*plant)
-    return '#include "cuda_host.h"\nnamespace delta {\n' + helpers + body
+    wgmma = WGMMA_SOURCE.read_text()
+    start, end = "// The host emulator", "}  // namespace delta"
+    if start not in wgmma or end not in wgmma:
+        raise ValueError(f"delta_wgmma.cu no longer has {start!r} and {end!r}: update device_code")
+    wgmma = wgmma[wgmma.index(start) : wgmma.index(end)]
+    if plant is not None and wgmma_plant:
+        if wgmma.count(plant[0]) != 1:
+            raise ValueError(f"delta_wgmma.cu no longer has exactly one {plant[0]!r}")
+        wgmma = wgmma.replace(*plant)
+    wgmma = wgmma.replace("extern __shared__ __align__(16) float smem[];", "float* smem = g_smem;")
+    return '#include "cuda_host.h"\nnamespace delta {\n' + helpers + body + "namespace delta {\n" + wgmma + "}\n"
 
 
 def _build(out_dir: Path, code: str) -> Path:
@@ -71,7 +84,8 @@ def _build(out_dir: Path, code: str) -> Path:
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
     code = device_code(SOURCE.read_text())
-    digest = hashlib.sha256((code + (HERE / "cuda_host.h").read_text()).encode()).hexdigest()[:12]
+    host_files = "".join((HERE / n).read_text() for n in ("cuda_host.h", "cuda_host.cpp", "delta_mma_host.cpp"))
+    digest = hashlib.sha256((code + host_files).encode()).hexdigest()[:12]
     return _build(tmp_path_factory.mktemp(f"delta-host-{digest}"), code)
 
 
@@ -278,3 +292,67 @@ def test_emulated_pin_of_slow_gates_sees_the_carried_state(tmp_path):
     outputs at delta_inputs' gates.)"""
     exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), PLANTED_DECAY))
     assert _pinned_digest(exe, tmp_path, SLOW, 3) != PINNED[SLOW, 3]
+
+
+# The wgmma walk (delta_wgmma.cu, DELTA_HOST_WGMMA=1): the emulator runs each wgmma as the mma.sync
+# sums of its k-step, so its bits must be the emulated mma.sync walk's exactly (on the GPU,
+# delta_wgmma.status checks the same against the hardware's mma.sync walk before first use).
+WGMMA = {"DELTA_HOST_WGMMA": "1"}
+
+
+@pytest.mark.parametrize("case, bv, change", [
+    (WIDE, 32, {}),
+    (SLOW, 64, {}),
+    (SLOW, 32, {"cuts": [28, 92, 150]}),
+    (MID[:5] + (128, 128), 32, {"env": {"DELTA_HOST_ORDER": "2"}}),
+    (WIDE, 32, {"env": {"DELTA_HOST_ORDER": "3"}}),
+    (WIDE, 64, {"env": {"DELTA_HOST_ORDER": "4"}}),
+    (WIDE, 32, {"env": {"DELTA_HOST_EAGER": "1"}}),
+], ids=["wide", "slow-bv-64", "cuts-on-grid", "from-0-shuffled", "first-warp-ahead", "last-warp-ahead-bv-64",
+        "copies-land-at-issue"])
+def test_emulated_wgmma_walk_gives_the_mma_sync_walk_s_bits(host, tmp_path, case, bv, change):
+    """Every output and state bit of the mma.sync walk, at both column splits, over cuts on the
+    64-row grid and under other thread schedules (a missing barrier or proxy fence would let a
+    warpgroup read V' or S before it is stored: NaN, an abort, or other values)."""
+    want = _run(host, tmp_path, case, bv=bv, warps=8, split=3)
+    env = {**WGMMA, **change.get("env", {})}
+    got = _run(host, tmp_path, case, bv=bv, warps=8, split=3, cuts=change.get("cuts"), env=env)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+PLANTED_WGMMA_BARRIER = ("        wgd_proxy_fence();\n        __syncthreads();  // V' stored",
+                         "        wgd_proxy_fence();  /* planted: barrier removed */")
+"""The wgmma walk's barrier between warpgroup 0's V' stores and both warpgroups' wgmma reading V'."""
+PLANTED_WGMMA_STRIDE = ("constexpr int CORE_P = 36;", "constexpr int CORE_P = 32;")
+"""S and V' with their core matrices 128 bytes apart along k instead of 144, in the stores and the
+descriptors alike: not a break (P only spreads the stores over the banks), so the bits stay."""
+PLANTED_WGMMA_DESC = ("const unsigned long long s_hi = wgd_desc(smem_addr(ss), L::P * 4, L::SBO_S * 4);",
+                      "const unsigned long long s_hi = wgd_desc(smem_addr(ss), L::SBO_S * 4, L::P * 4);")
+"""S's descriptor with its leading and stride byte offsets swapped (the other reading of the PTX
+ISA's table): W S and q S read S's elements in the wrong places."""
+
+
+@pytest.mark.parametrize("plant", [PLANTED_WGMMA_BARRIER, PLANTED_WGMMA_DESC], ids=["barrier-removed", "desc-swapped"])
+def test_emulated_wgmma_walk_planted_break_is_caught(tmp_path, plant):
+    """A planted break of the wgmma walk (the V' barrier removed; S's descriptor strides swapped)
+    aborts the emulator (NaN of memory not yet written reaching a wgmma, or a store racing one) or
+    moves the bits off the mma.sync walk's, with the last warp (warpgroup 1) running ahead."""
+    exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), plant, wgmma_plant=True))
+    want = _run(exe, tmp_path, WIDE, bv=32, warps=8, split=3)
+    done = _launch(exe, tmp_path, WIDE, bv=32, warps=8, split=3, env={**WGMMA, "DELTA_HOST_ORDER": "4"})
+    if done.returncode != 0:
+        assert "NaN" in done.stderr or "raced" in done.stderr, done.stderr[-2000:]
+        return
+    got = (np.fromfile(Path(tmp_path) / "out.bin", np.float32), np.fromfile(Path(tmp_path) / "state_out.bin", np.float32))
+    assert not all(np.array_equal(a.ravel(), b.ravel()) for a, b in zip(got, want))
+
+
+def test_emulated_wgmma_walk_stride_is_free_when_stores_and_descriptors_agree(tmp_path):
+    """PLANTED_WGMMA_STRIDE moves the stores and the descriptors together (P 36 -> 32): the same
+    bits, which shows the descriptor check above fails for the mismatch, not for P itself."""
+    exe = _build(tmp_path / "p32", device_code(SOURCE.read_text(), PLANTED_WGMMA_STRIDE, wgmma_plant=True))
+    want = _run(exe, tmp_path, WIDE, bv=32, warps=8, split=3)
+    got = _run(exe, tmp_path, WIDE, bv=32, warps=8, split=3, env=WGMMA)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)

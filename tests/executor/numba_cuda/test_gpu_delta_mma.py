@@ -163,3 +163,38 @@ def test_long_chunk_matches_twin_and_its_grid_pieces():
 def test_probe_passes_at_the_model_dims():
     for key_dim, value_dim in ((128, 128), (16, 8), (16, 16)):
         delta_mma.probe(key_dim, value_dim)
+
+
+def test_the_wgmma_walk_runs_on_a_hopper_gpu():
+    """On an H100/H200 (sm_90) the wgmma walk builds and its check passes (its bits are the
+    mma.sync walk's), so delta_mma takes it by default."""
+    from executor.numba_cuda import attention_wgmma, delta_wgmma
+
+    if attention_wgmma.unavailable() is not None:
+        pytest.skip(attention_wgmma.unavailable())
+    assert delta_wgmma.status() is None
+
+
+@pytest.mark.parametrize("walk", [(32, 8), (64, 8)])
+@pytest.mark.parametrize("start_row, rows, key_heads, value_heads, cuts",
+                         [(37, 300, 2, 6, [0, 300]), (0, 4100, 16, 32, [0, 2048, 4100]), (1000, 40, 1, 2, [0, 40])],
+                         ids=["off-grid", "9b-heads-long", "one-partial-sub-chunk"])
+def test_the_wgmma_walk_gives_the_mma_sync_walk_s_bits(walk, start_row, rows, key_heads, value_heads, cuts):
+    """Phase 2 on wgmma against mma.sync (wgmma=True / False), the same phase 1: every output
+    and state bit equal, at both column splits, over partial first and last sub-chunks and a
+    carried state; and, padded (the captured launch: rows and start read from meta), the same."""
+    from executor.numba_cuda import attention_wgmma
+
+    if attention_wgmma.unavailable() is not None:
+        pytest.skip(attention_wgmma.unavailable())
+    r = rng()
+    inputs = delta_inputs(r, rows, key_heads, value_heads, 128, 128)
+    state0 = (r.normal(size=(2, value_heads, 128, 128)) * 0.3).astype(np.float32)
+    results = []
+    for kwargs in ({"wgmma": False}, {"wgmma": True}, {"wgmma": True, "padded": True}):
+        states = to_device(state0)
+        results.append((_mma(inputs, states, 1, start_row, cuts, walk=walk, **kwargs), states.copy_to_host()))
+    for got, got_state in results[1:]:
+        np.testing.assert_array_equal(got.view(np.uint32), results[0][0].view(np.uint32))
+        np.testing.assert_array_equal(got_state.view(np.uint32), results[0][1].view(np.uint32))
+    np.testing.assert_array_equal(results[0][1][0], state0[0])

@@ -8,6 +8,8 @@ Dim3 blockIdx;
 float* g_smem;
 int g_async = 1;
 unsigned g_exchange[64][32][8];
+unsigned delta::g_wg_a[2][delta::WGMMA_MAX][128][4];
+size_t delta::g_smem_bytes = (size_t)-1;
 
 static const std::function<void()>* g_body;
 
@@ -93,6 +95,14 @@ void run_block(int threads, Dim3 bid, float* smem, const std::function<void()>& 
                 released = true;
             }
         }
+        for (int wg = 0; wg < threads / 128; ++wg) {  // warpgroup collectives: all 128 threads wait
+            int waiting = 0;
+            for (int i = 0; i < 128; ++i) waiting += fibers[128 * wg + i].state == WAIT_GROUP;
+            if (waiting == 128) {
+                for (int i = 0; i < 128; ++i) fibers[128 * wg + i].state = RUN;
+                released = true;
+            }
+        }
         if (!released && at_block + done == threads) {
             if (done) {
                 std::fprintf(stderr, "__syncthreads reached after %d threads exited\n", done);
@@ -106,9 +116,14 @@ void run_block(int threads, Dim3 bid, float* smem, const std::function<void()>& 
             std::abort();
         }
     }
-    for (const Fiber& f : fibers)
+    for (const Fiber& f : fibers) {
         if (!f.groups.empty() || !f.open.empty()) {
             std::fprintf(stderr, "thread %d ended with cp.async copies in flight\n", f.tid);
             std::abort();
         }
+        if (!f.wgmma.empty()) {
+            std::fprintf(stderr, "thread %d ended with wgmma in flight\n", f.tid);
+            std::abort();
+        }
+    }
 }

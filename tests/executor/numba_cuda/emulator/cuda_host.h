@@ -42,8 +42,9 @@ inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 
-enum FiberState { RUN, WAIT_BLOCK, WAIT_WARP, DONE };
+enum FiberState { RUN, WAIT_BLOCK, WAIT_WARP, WAIT_GROUP, DONE };
 struct Copy { float* dst; const float* src; bool live; };
+struct Wgmma { float* d; int n; unsigned long long desc; int seq; std::vector<u32> b; };
 struct Fiber {
     ucontext_t ctx;
     FiberState state;
@@ -51,6 +52,7 @@ struct Fiber {
     std::vector<char> stack;
     std::vector<Copy> open;                 // cp.async issued, not yet committed
     std::vector<std::vector<Copy>> groups;  // committed groups, oldest first
+    std::vector<Wgmma> wgmma;               // wgmma issued since the last wait (committed or not)
 };
 struct Dim3 { int x, y, z; };
 struct ThreadIdx { int x; };
@@ -70,6 +72,7 @@ inline void yield_as(FiberState s) {
 }
 inline void __syncthreads() { yield_as(WAIT_BLOCK); }
 inline void warp_barrier() { yield_as(WAIT_WARP); }
+inline void warpgroup_barrier() { yield_as(WAIT_GROUP); }  // the 128 threads of the caller's warpgroup
 
 inline float __shfl_up_sync(unsigned, float v, int d) {
     const int w = g_fiber->tid / 32, l = g_fiber->tid % 32;
@@ -179,6 +182,116 @@ inline void wait_groups() {
             for (int i = 0; i < 4; ++i) c.dst[i] = c.live ? c.src[i] : 0.f;
         groups.erase(groups.begin());
     }
+}
+// Shared-memory addresses are byte offsets into the block's shared memory (wgmma descriptors
+// carry them).
+inline u32 smem_addr(const void* p) {
+    return (u32)(reinterpret_cast<const char*>(p) - reinterpret_cast<const char*>(g_smem));
+}
+
+// wgmma (delta_wgmma.cu): wgmma.mma_async.sync.aligned.m64n{32,64}k8.f32.tf32.tf32 with A from
+// registers and B K-major in shared memory without swizzle, issued asynchronously: an issue
+// records the thread's A fragment in its warpgroup's table, and the B elements its outputs need,
+// read from shared memory then, in its list; the products run at wgmma.wait_group (wgd_wait0) in
+// issue order, after a warpgroup barrier (every thread's fragment is in) and before another (no
+// one refills the table early), each as mma_tf32 sums: exact products over the k-step summed in
+// double onto d, rounded once. So the emulated wgmma walk's bits are the emulated mma.sync walk's.
+// The hardware may read B at any time between issue and wait, so the wait reads B again and
+// aborts when it changed (a store racing an in-flight wgmma); a B not yet stored at issue is NaN
+// (shared memory starts so) and aborts too, as do a non-tf32 operand, a swizzled descriptor and
+// B outside shared memory.
+constexpr int WGMMA_MAX = 128;  // wgmma a thread may issue between waits
+extern unsigned g_wg_a[2][WGMMA_MAX][128][4];
+extern size_t g_smem_bytes;    // the block's shared memory, for the descriptor check
+
+inline void check_tf32(u32 x, const char* what) {
+    if ((x & 0x7f800000u) == 0x7f800000u && (x & 0x7fffffu)) {
+        std::fprintf(stderr, "wgmma %s is NaN: a read of memory not yet written\n", what);
+        std::abort();
+    }
+    if (x & 0x1fffu) {
+        std::fprintf(stderr, "wgmma %s is not tf32\n", what);
+        std::abort();
+    }
+}
+
+// The B elements (k 0..7, this thread's columns 8 nt + 2 t, + 1) a thread's outputs need, read from
+// shared memory through descriptor desc: [nt][j][k], N / 8 x 2 x 8.
+inline std::vector<u32> wgmma_b(unsigned long long desc, int n) {
+    const size_t start = (desc & 0x3FFF) << 4, lbo = ((desc >> 16) & 0x3FFF) << 4, sbo = ((desc >> 32) & 0x3FFF) << 4;
+    if (desc >> 62) {
+        std::fprintf(stderr, "wgmma descriptor with a swizzle: not emulated\n");
+        std::abort();
+    }
+    const int t = g_fiber->tid % 4;
+    std::vector<u32> b;
+    for (int nt = 0; nt < n / 8; ++nt)
+        for (int j = 0; j < 2; ++j)
+            for (int k = 0; k < 8; ++k) {
+                const int col = 8 * nt + 2 * t + j;
+                const size_t at = start + (col / 8) * sbo + (k / 4) * lbo + (col % 8) * 16 + (k % 4) * 4;
+                if (at + 4 > g_smem_bytes) {
+                    std::fprintf(stderr, "wgmma B at byte %zu: outside shared memory\n", at);
+                    std::abort();
+                }
+                u32 x;
+                std::memcpy(&x, reinterpret_cast<const char*>(g_smem) + at, 4);
+                check_tf32(x, "B operand");
+                b.push_back(x);
+            }
+    return b;
+}
+
+template <int N>
+inline void wgmma_tf32_issue(float (&d)[N / 2], const u32* a, unsigned long long desc) {
+    const int wg = g_fiber->tid / 128, r = g_fiber->tid % 128;
+    const int seq = (int)g_fiber->wgmma.size();
+    if (seq >= WGMMA_MAX) {
+        std::fprintf(stderr, "more than %d wgmma before a wait\n", WGMMA_MAX);
+        std::abort();
+    }
+    for (int i = 0; i < 4; ++i) {
+        check_tf32(a[i], "A operand");
+        g_wg_a[wg][seq][r][i] = a[i];
+    }
+    g_fiber->wgmma.push_back({d, N, desc, seq, wgmma_b(desc, N)});
+}
+inline void wgmma_tf32_n32(float (&d)[16], const u32* a, unsigned long long desc) { wgmma_tf32_issue<32>(d, a, desc); }
+inline void wgmma_tf32_n64(float (&d)[32], const u32* a, unsigned long long desc) { wgmma_tf32_issue<64>(d, a, desc); }
+
+inline void wgd_fence() {}
+inline void wgd_commit() {}
+inline void wgd_proxy_fence() {}
+template <int N, typename T>
+inline void wgd_keep(T*) {}
+
+inline void wgd_wait0() {
+    warpgroup_barrier();
+    const int wg = g_fiber->tid / 128, r = g_fiber->tid % 128, w = r / 32, g = r % 32 / 4, t = r % 4;
+    for (const Wgmma& op : g_fiber->wgmma) {
+        if (wgmma_b(op.desc, op.n) != op.b) {
+            std::fprintf(stderr, "wgmma B operand changed between issue and wait: a store raced it\n");
+            std::abort();
+        }
+        double a[2][8];  // this thread's rows 16 w + g, + 8 of A
+        for (int x = 0; x < 4; ++x) {  // lanes of row g: a0 (g, t'), a1 (g + 8, t'), a2 (g, t' + 4), a3 (g + 8, t' + 4)
+            const unsigned* o = g_wg_a[wg][op.seq][32 * w + 4 * g + x];
+            a[0][x] = __uint_as_float(o[0]);
+            a[1][x] = __uint_as_float(o[1]);
+            a[0][x + 4] = __uint_as_float(o[2]);
+            a[1][x + 4] = __uint_as_float(o[3]);
+        }
+        for (int nt = 0; nt < op.n / 8; ++nt)
+            for (int e = 0; e < 4; ++e) {
+                const int row = e >> 1;
+                double s = op.d[4 * nt + e];
+                for (int k = 0; k < 8; ++k)
+                    s += a[row][k] * (double)__uint_as_float(op.b[(2 * nt + (e & 1)) * 8 + k]);
+                op.d[4 * nt + e] = (float)s;
+            }
+    }
+    g_fiber->wgmma.clear();
+    warpgroup_barrier();
 }
 }  // namespace delta
 

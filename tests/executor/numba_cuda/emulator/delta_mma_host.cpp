@@ -9,6 +9,7 @@
 //   kernels are launched), 0 at each chunk's start (the planted break). Every scratch buffer and
 //   shared memory starts as NaN and sits between guard zones; the runner aborts on an overwritten
 //   guard or a scratch element the first phase left unwritten. The state lives in slot 1 of 3.
+//   DELTA_HOST_WGMMA=1 runs phase 2 on delta_wgmma.cu's walk (KD 128, BV 32 or 64, WARPS 8, SPLIT 3).
 #include <string>
 
 #include "delta_mma_kernels.inc"
@@ -68,6 +69,8 @@ template <int KD, int VD, int BV, int WARPS, int SPLIT>
 int run(int argc, char** argv) {
     const std::string dir = argv[1];
     const int per_block = std::atoi(argv[7]), start_row = std::atoi(argv[8]), anchor = std::atoi(argv[9]);
+    const char* wgmma_env = std::getenv("DELTA_HOST_WGMMA");  // 1: phase 2 on delta_wgmma.cu's walk
+    const bool wgmma = wgmma_env && std::strcmp(wgmma_env, "1") == 0;
     std::vector<int> cuts{0};
     for (int i = 10; i < argc; ++i) cuts.push_back(std::atoi(argv[i]));
     const auto dims = load(dir + "/dims.bin", 4);
@@ -112,6 +115,22 @@ int run(int argc, char** argv) {
         float* state = states.p + slot_floats;  // slot 1
         for (int by = 0; by < value_heads; ++by)
             for (int bx = 0; bx < VD / BV; ++bx) {
+                if constexpr (KD == 128 && (BV == 32 || BV == 64) && WARPS == 8 && SPLIT == 3) {
+                    if (wgmma) {  // delta_wgmma.cu's walk
+                        Buffer smem(delta::WgWalkSmem<KD, BV>::FLOATS, NAN);
+                        delta::g_smem_bytes = smem.n * 4;
+                        run_block(256, Dim3{bx, by, 0}, smem.p, [&] {
+                            delta::walk_wgmma<KD, BV>(bq.p, bk.p, w.p, u.p, m.p, dv.p, state, out.p, rows, off,
+                                                      key_heads, value_heads, VD);
+                        });
+                        smem.check("wgmma walk shared memory");
+                        continue;
+                    }
+                }
+                if (wgmma) {
+                    std::fprintf(stderr, "no wgmma walk for KD %d BV %d WARPS %d SPLIT %d\n", KD, BV, WARPS, SPLIT);
+                    std::abort();
+                }
                 Buffer smem(delta::WalkSmem<KD, BV>::FLOATS, NAN);
                 run_block(WARPS * 32, Dim3{bx, by, 0}, smem.p, [&] {
                     delta::walk<KD, BV, WARPS, SPLIT>(bq.p, bk.p, w.p, u.p, m.p, dv.p, state, out.p, rows, off,
