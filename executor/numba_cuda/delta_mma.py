@@ -236,6 +236,9 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
         raise ValueError(f"walk (BV {bv}, warps {warps}) does not split value_dim {value_dim}")
     if ctas not in (None, 1, 2):
         raise ValueError(f"ctas must be 1 or 2, got {ctas}")
+    fits = delta_wgmma.fits(key_dim, bv, warps, split)
+    if wgmma and not fits:
+        raise ValueError(f"wgmma: no wgmma walk for key_dim {key_dim}, walk (BV {bv}, warps {warps}), split {split}")
     for name, array in (("qn", qn), ("kn", kn), ("mixed", mixed), ("g", g), ("beta", beta), ("states", states),
                         ("out", out)):
         if array is None:
@@ -268,9 +271,6 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split, ctas)
     prepare[grid, PREPARE_THREADS, stream, prepare_bytes](
         *ptrs, meta, key_heads, value_heads, channels, v0, per_block)
-    fits = delta_wgmma.fits(key_dim, bv, warps, split)
-    if wgmma and not fits:
-        raise ValueError(f"no wgmma walk for key_dim {key_dim}, walk (BV {bv}, warps {warps}), split {split}")
     if fits and (wgmma or (wgmma is None and delta_wgmma.status() is None)):
         delta_wgmma.launch(ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], device_pointer(states),
                            value_heads * key_dim * value_dim * 4, device_pointer(out), meta, key_heads, value_heads,

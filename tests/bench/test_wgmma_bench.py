@@ -24,6 +24,28 @@ def test_a_shared_a_wgmma_has_both_descriptors_and_both_transpose_flags():
     assert "%127}, %128, %129, p, 1, 1, 0, 1;" in text and text.count('"+f"(d[') == 128
 
 
+def test_a_tf32_wgmma_is_k8_with_no_transpose_immediates():
+    """The delta walk's products (delta_wgmma.py): m64nNk8 tf32, A's four registers, scale-d, scale-a
+    and scale-b only (tf32 has no transpose), operands numbered after the accumulators."""
+    text = wgmma_function("wgmma_tf32_n64", 64, a_registers=True, transpose_b=False, dtype="tf32")
+    assert "void wgmma_tf32_n64(float (&d)[32], const u32* a, unsigned long long b_desc)" in text
+    assert "m64n64k8.f32.tf32.tf32 {" + ", ".join(f"%{i}" for i in range(32)) + "}, {%32, %33, %34, %35}, %36, p, 1, 1;" in text
+    with pytest.raises(ValueError, match="K-major"):
+        wgmma_function("w", 32, True, True, dtype="tf32")
+    with pytest.raises(ValueError, match="dtype"):
+        wgmma_function("w", 32, True, False, dtype="fp16")
+
+
+def test_the_delta_walk_source_has_its_functions_and_both_launchable_walks():
+    from executor.numba_cuda import delta_wgmma
+
+    text = delta_wgmma.source()
+    assert "@WGMMA_FUNCTIONS@" not in text and text.index("namespace delta") < text.index("walk_wgmma")
+    assert len(re.findall(r"void wgmma_tf32_n(32|64)\(", text)) == 2
+    assert all(f"DELTA_WALK_WGMMA(128, {bv})" in text for bv in delta_wgmma.COLUMNS)
+    assert delta_wgmma.shared_bytes(32) == 175_616 and delta_wgmma.shared_bytes(64) == 230_912  # under 232,448
+
+
 @pytest.mark.parametrize("n", [0, 4, 12, 264])
 def test_an_n_wgmma_lacks_is_refused(n):
     with pytest.raises(ValueError, match="multiple of 8"):

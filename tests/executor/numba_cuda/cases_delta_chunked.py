@@ -162,13 +162,13 @@ def _mma_args(rows=4, key_heads=1, value_heads=2, key_dim=16, value_dim=8, v0=4)
 @pytest.mark.parametrize("field, change, match", [
     ("v0", {"v0": 3}, "v0 3"), ("per_block", {"per_block": 3}, "per_block"),
     ("walk", {"walk": (16, 4)}, "walk"), ("split", {"split": 2}, "split"), ("slot", {"slot": 5}, "slot 5"),
-    ("ctas", {"ctas": 3}, "ctas must be 1 or 2"),
+    ("ctas", {"ctas": 3}, "ctas must be 1 or 2"), ("wgmma", {"wgmma": True}, "no wgmma walk for key_dim 16"),
 ])
 def test_delta_mma_names_what_does_not_fit(field, change, match):
     """The tensor-core delta rule checks its arguments before compiling anything (also under
     the simulator, where it cannot run)."""
     args = _mma_args(v0=change.get("v0", 4))
-    kwargs = {k: v for k, v in change.items() if k in ("per_block", "walk", "split", "ctas")}
+    kwargs = {k: v for k, v in change.items() if k in ("per_block", "walk", "split", "ctas", "wgmma")}
     if field == "slot":
         args[7] = change["slot"]
     with pytest.raises(ValueError, match=match):
@@ -183,6 +183,19 @@ def test_delta_mma_says_why_it_cannot_run():
             delta_mma.delta_mma(*_mma_args())
     else:
         assert delta_mma.unavailable(128, 128) is None
+
+
+def test_the_wgmma_walk_fits_the_qwen_shapes_and_says_why_it_cannot_run():
+    """delta_wgmma's builds: key dim 128, 32 or 64 columns on 8 warps, split 3 (the 9B's and the
+    27B's walk shapes); under the simulator (no NVRTC, no wgmma) its status says so."""
+    from executor.numba_cuda import delta_wgmma
+
+    assert delta_wgmma.fits(128, *delta_mma.walk_shape(128, 32), 3)
+    assert delta_wgmma.fits(128, *delta_mma.walk_shape(128, 48), 3)
+    assert not delta_wgmma.fits(128, 32, 8, 1) and not delta_wgmma.fits(64, 32, 8, 3)
+    assert not delta_wgmma.fits(128, 32, 4, 3)
+    if IS_SIMULATOR:
+        assert "simulator" in delta_wgmma.status()
 
 
 def test_delta_mma_walk_shape_fills_the_gpu_in_one_wave():
