@@ -37,7 +37,7 @@ import attrs
 import numpy as np
 
 from executor.config import FULL, Qwen35Config, to_hf_dict
-from executor.numba_cuda import attention_flash, delta_wgmma
+from executor.numba_cuda import attention_flash, delta_mma
 from executor.numba_cuda import backend as nb_backend
 from executor.numba_cuda import device_weights
 from executor.numba_cuda.backend import NumbaCudaBackend
@@ -462,7 +462,9 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     backend.flash_lookahead = None
     backend.bf16_products = chosen_products
     result["flash_lookahead"] = attention_flash.lookahead_status() or "on"
-    result["delta_wgmma"] = delta_wgmma.status() or "on"  # phase 2 of the mma delta rule on wgmma, or why not
+    c = backend.config  # phase 2 of the mma delta rule on wgmma at this model's shape, or why not
+    result["delta_wgmma"] = delta_mma.wgmma_walk_status(c.linear_key_head_dim, c.linear_value_head_dim,
+                                                        c.linear_num_value_heads) or "on"
     log(f"{name}: delta rule walk on wgmma: {result['delta_wgmma']}")
     result["accumulate_refused"] = {f"{n}x{k}": why for (n, k), why in backend.accumulate_refused.items()}
     result["gemm_large"] = {f"{n}x{k}": pinned["buckets"][-1] for (n, k), pinned in backend.gemm.pinned.items()

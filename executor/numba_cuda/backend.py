@@ -31,7 +31,7 @@ from numba import cuda
 from executor.backend import frozen_logits, shared_segments
 from executor.config import FULL, Qwen35Config
 from executor.numba_cuda import (attention, attention_flash, attention_prep, attention_wgmma, conv, delta_chunked,
-                                 delta_mma, delta_rule, delta_wgmma, device_weights, elementwise, greedy, norms)
+                                 delta_mma, delta_rule, device_weights, elementwise, greedy, norms)
 from executor.numba_cuda.attention_mm import MatrixAttention
 from executor.numba_cuda.device import columns, copy_of, to_device
 from executor.numba_cuda.device_weights import DeviceWeights
@@ -323,7 +323,10 @@ class NumbaCudaBackend:
         `delta_failures` says why a path was passed over."""
         if self._prefill_delta is None:
             self._prefill_delta = self._choose_prefill_delta()
-            walk = delta_wgmma.status() if self._prefill_delta == "mma" else "not the mma path"
+            c = self.config
+            walk = (delta_mma.wgmma_walk_status(c.linear_key_head_dim, c.linear_value_head_dim,
+                                                c.linear_num_value_heads)
+                    if self._prefill_delta == "mma" else "not the mma path")
             log.info("prefill_delta", path=self._prefill_delta, passed_over=self.delta_failures,
                      wgmma_walk="on" if walk is None else f"off: {walk}")
         return self._prefill_delta

@@ -17,8 +17,8 @@ and value head at key/value dim 128, 2.6x the CUDA-core path's 32 KB: 252 MB for
 sub-chunks with its state in registers: V' = U - W S, O = e^c (q S) + M V',
 S = e^(c_last) S + (k e^(c_last - c))^T V'.
 
-On an H100/H200, phase 2 runs delta_wgmma.py's walk where its build fits (key dim 128, split 3,
-32 or 64 state columns on 8 warps): the same products on wgmma, every bit checked equal to this
+On an H100/H200, phase 2 runs delta_wgmma.py's walk at 64 state columns on 8 warps (the 27B's
+shape, where it measured faster): the same products on wgmma, every bit checked equal to this
 walk's before first use (`delta_wgmma.status`; WARMSTATE_DELTA_WGMMA=0 turns it off).
 
 Numerics: by default each product is three tf32 products (SPLIT = 3, "3xTF32": ~21 bits of
@@ -114,6 +114,19 @@ def walk_shape(value_dim: int, value_heads: int, sms: int = SMS) -> tuple[int, i
     return 32, 8
 
 
+def wgmma_walk_status(key_dim: int, value_dim: int, value_heads: int) -> str | None:
+    """None when `delta_mma`'s default walk runs on wgmma for a model of these dims and value heads
+    (its `walk_shape` on this GPU, split SPLIT), else why not: the shape has no wgmma build, it is
+    not one where wgmma measured faster (`delta_wgmma.FASTER`), or `delta_wgmma.status()`'s
+    reason. Runs the status check when not yet decided (launches and synchronizes)."""
+    bv, warps = walk_shape(value_dim, value_heads, multiprocessors())
+    if not delta_wgmma.fits(key_dim, bv, warps, SPLIT):
+        return f"no wgmma build for key_dim {key_dim}, walk (BV {bv}, warps {warps}), split {SPLIT}"
+    if bv not in delta_wgmma.FASTER:
+        return f"{bv} state columns a CTA: mma.sync measured as fast (bench/RESULTS.md, session 40)"
+    return delta_wgmma.status()
+
+
 def prepare_ctas(blocks: int, split: int, sms: int = SMS) -> int:
     """CTAs a multiprocessor phase 1's registers are capped for (its launch bounds) when its
     grid has `blocks` CTAs: 2 with split 1; with split 3, 2 when the grid is more than one
@@ -207,9 +220,9 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     meta[0] <= rows (phase 1's grid covers the most sub-chunks; the extra CTAs return at
     once); rows past meta[0] are neither read nor written. Neither changes a bit.
     wgmma: phase 2 on wgmma (delta_wgmma.py) or on mma.sync; None (the default) takes wgmma where
-    its build fits the walk's shape and `delta_wgmma.status()` is None (its bits checked equal to
-    the mma.sync walk's on this GPU); True where it fits, whatever the status (the check's own
-    call). The same bits either way.
+    `delta_wgmma.chosen` says (its build fits the walk's shape, it measured faster there, and its
+    bits checked equal to the mma.sync walk's on this GPU); True wherever it fits, whatever the
+    status (the check's own call; ValueError where it does not fit). The same bits either way.
     Raises ValueError naming the argument on a wrong dtype, shape, layout or alignment, a
     slot or start_row out of range; RuntimeError where the kernels cannot run (`unavailable`).
     """
@@ -236,8 +249,7 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
         raise ValueError(f"walk (BV {bv}, warps {warps}) does not split value_dim {value_dim}")
     if ctas not in (None, 1, 2):
         raise ValueError(f"ctas must be 1 or 2, got {ctas}")
-    fits = delta_wgmma.fits(key_dim, bv, warps, split)
-    if wgmma and not fits:
+    if wgmma and not delta_wgmma.fits(key_dim, bv, warps, split):
         raise ValueError(f"wgmma: no wgmma walk for key_dim {key_dim}, walk (BV {bv}, warps {warps}), split {split}")
     for name, array in (("qn", qn), ("kn", kn), ("mixed", mixed), ("g", g), ("beta", beta), ("states", states),
                         ("out", out)):
@@ -271,7 +283,7 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split, ctas)
     prepare[grid, PREPARE_THREADS, stream, prepare_bytes](
         *ptrs, meta, key_heads, value_heads, channels, v0, per_block)
-    if fits and (wgmma or (wgmma is None and delta_wgmma.status() is None)):
+    if wgmma or (wgmma is None and delta_wgmma.chosen(key_dim, bv, warps, split)):
         delta_wgmma.launch(ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], device_pointer(states),
                            value_heads * key_dim * value_dim * 4, device_pointer(out), meta, key_heads, value_heads,
                            value_dim, bv, stream=stream)

@@ -5,9 +5,11 @@ which `status` checks on this GPU before first use.
 
 numba's `link=` compiles for sm_90, which has no wgmma, so NVRTC compiles delta_mma.cu's text
 with delta_wgmma.cu's appended for sm_90a (nvrtc.py) and the driver launches the cubin on
-numba's streams and memory, as attention_wgmma.py does for prefill attention. delta_mma.delta_mma
-takes this walk for key dim 128, split 3 and a walk shape of (32 or 64 columns, 8 warps) when
-`status()` is None. WARMSTATE_DELTA_WGMMA=0 turns it off.
+numba's streams and memory, as attention_wgmma.py does for prefill attention. Built for key dim
+128, split 3 and a walk shape of (32 or 64 columns, 8 warps); delta_mma.delta_mma takes it by
+default at 64 columns (`FASTER`: the 27B's shape, 11-13% faster on the H100) when `status()` is
+None, and at 32 (the 9B's: no faster) only when asked (wgmma=True). WARMSTATE_DELTA_WGMMA=0 turns
+the default off.
 
 Not available under the CUDA simulator (no NVRTC, no wgmma) or without cuda-bindings.
 """
@@ -30,6 +32,12 @@ KEY_DIM = 128
 """The only key dim the walk is built for (every Qwen3.5 linear-attention layer's)."""
 COLUMNS = (32, 64)
 """State columns a CTA (BV) the cubin holds a walk for."""
+FASTER = (64,)
+"""State columns a CTA at which delta_mma takes this walk by default: where it measured faster than
+the mma.sync walk (H100, bench/RESULTS.md session 40: the 27B's 48 value heads at 64 columns,
+0.869x at 8,192 rows from 24,576 and 0.892x at 32,768 from 0; the 9B's 32 value heads at 32
+columns 0.963x and 1.007x, and its 32K prefill's delta rule 149.0 -> 152.3 ms, so 32 stays on
+mma.sync unless asked for)."""
 THREADS = 256
 """Threads a CTA: 8 warps, 2 warpgroups."""
 SPLIT = 3
@@ -76,6 +84,12 @@ def module():
 def fits(key_dim: int, bv: int, warps: int, split: int) -> bool:
     """Whether a walk of this shape has a wgmma build (key dim 128, 32 or 64 columns, 8 warps, split 3)."""
     return key_dim == KEY_DIM and bv in COLUMNS and warps == 8 and split == SPLIT
+
+
+def chosen(key_dim: int, bv: int, warps: int, split: int) -> bool:
+    """Whether delta_mma's default (wgmma=None) walks this shape on wgmma: it fits, its columns are
+    in FASTER, and `status()` is None (the walk runs here and gave the mma.sync walk's bits)."""
+    return fits(key_dim, bv, warps, split) and bv in FASTER and status() is None
 
 
 def launch(q, k, w, u, m, dv, states, slot_bytes: int, out, meta, key_heads: int, value_heads: int,

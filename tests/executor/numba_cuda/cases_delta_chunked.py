@@ -194,8 +194,11 @@ def test_the_wgmma_walk_fits_the_qwen_shapes_and_says_why_it_cannot_run():
     assert delta_wgmma.fits(128, *delta_mma.walk_shape(128, 48), 3)
     assert not delta_wgmma.fits(128, 32, 8, 1) and not delta_wgmma.fits(64, 32, 8, 3)
     assert not delta_wgmma.fits(128, 32, 4, 3)
+    assert "no wgmma build" in delta_mma.wgmma_walk_status(16, 8, 2)
+    assert "measured as fast" in delta_mma.wgmma_walk_status(128, 128, 32)  # the 9B: 32 columns stay on mma.sync
     if IS_SIMULATOR:
         assert "simulator" in delta_wgmma.status()
+        assert "simulator" in delta_mma.wgmma_walk_status(128, 128, 48)  # the 27B's 64 columns would take it
 
 
 def test_delta_mma_walk_shape_fills_the_gpu_in_one_wave():

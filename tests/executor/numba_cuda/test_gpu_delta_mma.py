@@ -167,12 +167,15 @@ def test_probe_passes_at_the_model_dims():
 
 def test_the_wgmma_walk_runs_on_a_hopper_gpu():
     """On an H100/H200 (sm_90) the wgmma walk builds and its check passes (its bits are the
-    mma.sync walk's), so delta_mma takes it by default."""
+    mma.sync walk's), so delta_mma takes it by default at the 27B's shape (48 value heads: 64
+    columns a CTA), not at the 9B's (32: 32 columns, where it measured no faster)."""
     from executor.numba_cuda import attention_wgmma, delta_wgmma
 
     if attention_wgmma.unavailable() is not None:
         pytest.skip(attention_wgmma.unavailable())
     assert delta_wgmma.status() is None
+    assert delta_mma.wgmma_walk_status(128, 128, 48) is None
+    assert "measured as fast" in delta_mma.wgmma_walk_status(128, 128, 32)
 
 
 @pytest.mark.parametrize("walk", [(32, 8), (64, 8)])
