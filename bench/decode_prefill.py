@@ -463,8 +463,9 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     backend.bf16_products = chosen_products
     result["flash_lookahead"] = attention_flash.lookahead_status() or "on"
     c = backend.config  # phase 2 of the mma delta rule on wgmma at this model's shape, or why not
-    result["delta_wgmma"] = delta_mma.wgmma_walk_status(c.linear_key_head_dim, c.linear_value_head_dim,
-                                                        c.linear_num_value_heads) or "on"
+    result["delta_wgmma"] = (delta_mma.wgmma_walk_status(c.linear_key_head_dim, c.linear_value_head_dim,
+                                                         c.linear_num_value_heads) or "on"
+                             if chosen_delta == "mma" else "not the mma path")
     log(f"{name}: delta rule walk on wgmma: {result['delta_wgmma']}")
     result["accumulate_refused"] = {f"{n}x{k}": why for (n, k), why in backend.accumulate_refused.items()}
     result["gemm_large"] = {f"{n}x{k}": pinned["buckets"][-1] for (n, k), pinned in backend.gemm.pinned.items()

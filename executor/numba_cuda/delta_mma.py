@@ -264,6 +264,9 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     out = empty((rows, value_heads, value_dim), np.float32, stream) if out is None else out
     if not rows:
         return out
+    # decided before anything is enqueued: an undecided delta_wgmma.status() runs its check now
+    # (it launches and synchronizes), never between phase 1 and phase 2
+    on_wgmma = bool(wgmma) or (wgmma is None and delta_wgmma.chosen(key_dim, bv, warps, split))
     meta = chunk_meta(meta, rows, start_row, slot, stream)
     off = SUBCHUNK_ROWS - 1 if padded else _subchunk_offset(start_row)
     subchunks = (off + rows + SUBCHUNK_ROWS - 1) // SUBCHUNK_ROWS
@@ -283,7 +286,7 @@ def delta_mma(qn, kn, mixed, v0: int, g, beta, start_row: int, slot: int, states
     prepare, prepare_bytes = prepare_kernel(key_dim, value_dim, split, ctas)
     prepare[grid, PREPARE_THREADS, stream, prepare_bytes](
         *ptrs, meta, key_heads, value_heads, channels, v0, per_block)
-    if wgmma or (wgmma is None and delta_wgmma.chosen(key_dim, bv, warps, split)):
+    if on_wgmma:
         delta_wgmma.launch(ptrs[0], ptrs[1], ptrs[5], ptrs[6], ptrs[7], ptrs[8], device_pointer(states),
                            value_heads * key_dim * value_dim * 4, device_pointer(out), meta, key_heads, value_heads,
                            value_dim, bv, stream=stream)
@@ -315,7 +318,9 @@ def probe(key_dim: int, value_dim: int, key_heads: int = 1, group: int = 2) -> N
     states = cuda.to_device(state0)
     qn = (q * np.float32(key_dim**-0.5)).astype(np.float32)
     prepare_kernel(key_dim, value_dim, SPLIT, 2)  # compiled now: the build long chunks launch (prepare_ctas)
-    delta_wgmma.status()  # decided now, before any stream capture: its check launches and synchronizes
+    # the wgmma walk's check, where the model's walk would take it: decided now, before any stream
+    # capture (it launches and synchronizes)
+    wgmma_walk_status(key_dim, value_dim, value_heads)
     got = delta_mma(cuda.to_device(qn), cuda.to_device(k), cuda.to_device(v.reshape(rows, -1)), 0,
                     cuda.to_device(g), cuda.to_device(beta), 30, 0, states).copy_to_host()
     cuda.synchronize()

@@ -22,7 +22,7 @@
 // 8-column groups). Descriptors as bench/wgmma_probe.py measured them (RESULTS.md, session 26).
 //
 // Appended to delta_mma.cu's text with the wgmma functions generated at the marker
-// (executor/numba_cuda/nvrtc.py: wgmma_tf32_function) and compiled by NVRTC for sm_90a to a cubin
+// (executor/numba_cuda/nvrtc.py: wgmma_function(..., dtype="tf32")) and compiled by NVRTC for sm_90a to a cubin
 // launched through the driver (delta_wgmma.py).
 
 namespace delta {

@@ -34,10 +34,12 @@ COLUMNS = (32, 64)
 """State columns a CTA (BV) the cubin holds a walk for."""
 FASTER = (64,)
 """State columns a CTA at which delta_mma takes this walk by default: where it measured faster than
-the mma.sync walk (H100, bench/RESULTS.md session 40: the 27B's 48 value heads at 64 columns,
-0.869x at 8,192 rows from 24,576 and 0.892x at 32,768 from 0; the 9B's 32 value heads at 32
-columns 0.963x and 1.007x, and its 32K prefill's delta rule 149.0 -> 152.3 ms, so 32 stays on
-mma.sync unless asked for)."""
+the mma.sync walk (H100, 132 multiprocessors, bench/RESULTS.md session 40: whole delta_mma calls
+at the 27B's 48 value heads and 64 columns 0.869x at 8,192 rows from 24,576 and 0.892x at 32,768
+from 0; at the 9B's 32 value heads and 32 columns 0.963x and 1.007x, and its 32K prefill's delta
+rule 149.0 -> 152.3 ms, so 32 stays on mma.sync unless asked for). Keyed on the columns only: on
+a GPU with fewer multiprocessors, where walk_shape gives the 9B 64 columns too, the 9B takes it
+at a shape it was not timed at (same bits)."""
 THREADS = 256
 """Threads a CTA: 8 warps, 2 warpgroups."""
 SPLIT = 3
@@ -112,10 +114,13 @@ OFF = "turned off by WARMSTATE_DELTA_WGMMA=0"
 def status() -> str | None:
     """None when delta_mma may walk on wgmma here, else why not: WARMSTATE_DELTA_WGMMA=0 (OFF),
     it cannot be built (`module`), or the check raised or found a bit that differs from the
-    mma.sync walk's (random inputs at 2 key heads and 4 value heads, 200 rows from row 30 and 64
-    rows from 0: partial first and last sub-chunks, every state column, both shapes). Decided once
-    a process, whatever the outcome; it launches and synchronizes, so delta_mma.probe (run before
-    a backend's first prefill) calls it before any stream capture."""
+    mma.sync walk's (random inputs at 2 key heads and 4 value heads, 200 rows from row 30, 64
+    rows from 0, and 130 from 70 with v and the state spread over 2^-12..2^12 and fast gates:
+    partial first and last sub-chunks, every state column, both column splits). Decided once a
+    process, whatever the outcome; it launches and synchronizes, so delta_mma.probe (run before a
+    backend's first prefill) decides it, where the model's walk would take it, before any stream
+    capture. The equality is observed on these inputs, not proven: that wgmma's tf32 sums are
+    chained mma.sync m16n8k8's is what the check finds on the GPU at hand."""
     if os.environ.get("WARMSTATE_DELTA_WGMMA", "1").strip() == "0":
         return OFF
     try:
@@ -134,13 +139,16 @@ def _check() -> str | None:
 
     rng = np.random.default_rng(40)
     key_heads, value_heads, kd, vd = 2, 4, KEY_DIM, 128
-    for rows, start in ((200, 30), (64, 0)):
+    # the third case spreads the exponents: v and the state over 2^+-12, gates down to e^-8 a row
+    for rows, start, spread, decay in ((200, 30, 0, 0.5), (64, 0, 0, 0.5), (130, 70, 12, 8.0)):
         q = ops.l2_normalize(rng.normal(size=(rows, key_heads, kd))).astype(np.float32) * np.float32(kd**-0.5)
         k = ops.l2_normalize(rng.normal(size=(rows, key_heads, kd))).astype(np.float32)
-        v = rng.normal(size=(rows, value_heads * vd)).astype(np.float32)
-        g = -rng.uniform(0.01, 0.5, (rows, value_heads)).astype(np.float32)
+        scale = np.exp2(rng.integers(-spread, spread + 1, (rows, value_heads * vd)))
+        v = (rng.normal(size=(rows, value_heads * vd)) * scale).astype(np.float32)
+        g = -rng.uniform(0.01, decay, (rows, value_heads)).astype(np.float32)
         beta = rng.uniform(0.1, 0.9, (rows, value_heads)).astype(np.float32)
-        state0 = (rng.normal(size=(2, value_heads, kd, vd)) * 0.3).astype(np.float32)
+        scale = np.exp2(rng.integers(-spread, spread + 1, (2, value_heads, kd, vd)))
+        state0 = (rng.normal(size=(2, value_heads, kd, vd)) * 0.3 * scale).astype(np.float32)
         args = [cuda.to_device(a) for a in (q, k, v)]
         gates = [cuda.to_device(a) for a in (g, beta)]
         for bv in COLUMNS:

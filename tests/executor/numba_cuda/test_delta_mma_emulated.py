@@ -1,13 +1,14 @@
-"""The tensor-core delta rule's CUDA C++ (executor/numba_cuda/delta_mma.cu) on the CPU, through
-a host emulator of the CUDA features it uses (emulator/cuda_host.h: a fiber per thread, real
-barriers, mma.m16n8k8 tf32 from the PTX fragment tables, cp.async copies that are NaN until
-their wait). CI has no GPU and the numba simulator cannot run linked CUDA C++, so this is where
-CI checks that code: values against the float64 twin at both tf32 splits, every element of
-the outputs and scratch written, no write outside a buffer, the same bits for any chunking on
-the 64-row grid, for every CTA shape, and for every thread schedule; and that the checks fail
-on a planted break (a chunk-start anchor; a barrier removed; V' in S's buffer; the state's
-decay one ulp off or one row off). The GPU tests (test_gpu_delta_mma.py) check the same on the
-H200. Skips when no C++ compiler is found.
+"""The tensor-core delta rule's CUDA C++ (executor/numba_cuda/delta_mma.cu, and delta_wgmma.cu's
+walk) on the CPU, through a host emulator of the CUDA features they use (emulator/cuda_host.h: a
+fiber per thread, real barriers, mma.m16n8k8 tf32 from the PTX fragment tables, wgmma summed as
+the mma.sync products of its k-step, cp.async copies that are NaN until their wait). CI has no GPU
+and the numba simulator cannot run linked CUDA C++, so this is where CI checks that code: values
+against the float64 twin at both tf32 splits, every element of the outputs and scratch written,
+no write outside a buffer, the same bits for any chunking on the 64-row grid, for every CTA shape,
+for every thread schedule, and for the walk on wgmma or mma.sync; and that the checks fail on a
+planted break (a chunk-start anchor; a barrier removed; V' in S's buffer; the state's decay one
+ulp off or one row off; the wgmma walk's V' barrier or its S descriptor). The GPU tests
+(test_gpu_delta_mma.py) check the same on the H100/H200. Skips when no C++ compiler is found.
 """
 
 from __future__ import annotations
@@ -226,10 +227,16 @@ def test_emulated_planted_race_is_caught(tmp_path, plant):
 
 def test_host_runner_shared_memory_equals_the_launcher_s(host):
     """The shared floats delta_mma.py asks for at launch equal the source's PrepareSmem /
-    WalkSmem for every build of the runner (the emulator's buffers are those structs)."""
+    WalkSmem for every build of the runner (the emulator's buffers are those structs), and
+    delta_wgmma.shared_bytes equals delta_wgmma.cu's WgWalkSmem at both column splits."""
     listed = subprocess.run([str(host), "--sizes"], capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
-    rows = [tuple(int(v) for v in line.split()) for line in listed.stdout.splitlines()]
+    lines = listed.stdout.splitlines()
+    wgmma = {int(bv): 4 * int(floats) for _, bv, floats in (x.split() for x in lines if x.startswith("wgmma "))}
+    from executor.numba_cuda import delta_wgmma
+
+    assert wgmma == {bv: delta_wgmma.shared_bytes(bv) for bv in delta_wgmma.COLUMNS}  # the launch asks for these
+    rows = [tuple(int(v) for v in line.split()) for line in lines if not line.startswith("wgmma ")]
     assert len(rows) >= 5
     script = ("import sys; from executor.numba_cuda import delta_mma as d; "
               "print(*[f'{d._prepare_floats(int(a), int(b))} {d._walk_floats(int(a), int(c))}' "
@@ -312,8 +319,10 @@ WGMMA = {"DELTA_HOST_WGMMA": "1"}
         "copies-land-at-issue"])
 def test_emulated_wgmma_walk_gives_the_mma_sync_walk_s_bits(host, tmp_path, case, bv, change):
     """Every output and state bit of the mma.sync walk, at both column splits, over cuts on the
-    64-row grid and under other thread schedules (a missing barrier or proxy fence would let a
-    warpgroup read V' or S before it is stored: NaN, an abort, or other values)."""
+    64-row grid and under other thread schedules (a missing barrier would let a warpgroup read V'
+    or S before it is stored: NaN, an abort, or other values). The emulator does not model the
+    proxy fences (plain stores are all it has): test_wgmma_walk_fences_every_shared_operand
+    checks them in the source."""
     want = _run(host, tmp_path, case, bv=bv, warps=8, split=3)
     env = {**WGMMA, **change.get("env", {})}
     got = _run(host, tmp_path, case, bv=bv, warps=8, split=3, cuts=change.get("cuts"), env=env)
@@ -324,6 +333,10 @@ def test_emulated_wgmma_walk_gives_the_mma_sync_walk_s_bits(host, tmp_path, case
 PLANTED_WGMMA_BARRIER = ("        wgd_proxy_fence();\n        __syncthreads();  // V' stored",
                          "        wgd_proxy_fence();  /* planted: barrier removed */")
 """The wgmma walk's barrier between warpgroup 0's V' stores and both warpgroups' wgmma reading V'."""
+PLANTED_WGMMA_COMMIT = ("            wgd_commit();\n            wgd_wait0();\n            wgd_keep<BV / 2>(sacc);",
+                        "            wgd_wait0();\n            wgd_keep<BV / 2>(sacc);")
+"""The state update's products waited for but never committed: wgmma.wait_group does not wait for
+them on the hardware, so the state and O would be read while they run."""
 PLANTED_WGMMA_STRIDE = ("constexpr int CORE_P = 36;", "constexpr int CORE_P = 32;")
 """S and V' with their core matrices 128 bytes apart along k instead of 144, in the stores and the
 descriptors alike: not a break (P only spreads the stores over the banks), so the bits stay."""
@@ -333,16 +346,18 @@ PLANTED_WGMMA_DESC = ("const unsigned long long s_hi = wgd_desc(smem_addr(ss), L
 ISA's table): W S and q S read S's elements in the wrong places."""
 
 
-@pytest.mark.parametrize("plant", [PLANTED_WGMMA_BARRIER, PLANTED_WGMMA_DESC], ids=["barrier-removed", "desc-swapped"])
+@pytest.mark.parametrize("plant", [PLANTED_WGMMA_BARRIER, PLANTED_WGMMA_DESC, PLANTED_WGMMA_COMMIT],
+                         ids=["barrier-removed", "desc-swapped", "commit-removed"])
 def test_emulated_wgmma_walk_planted_break_is_caught(tmp_path, plant):
-    """A planted break of the wgmma walk (the V' barrier removed; S's descriptor strides swapped)
-    aborts the emulator (NaN of memory not yet written reaching a wgmma, or a store racing one) or
+    """A planted break of the wgmma walk (the V' barrier removed; S's descriptor strides swapped; the
+    state update's commit removed) aborts the emulator (NaN of memory not yet written reaching a
+    wgmma, a store racing one, a wait on products never committed) or
     moves the bits off the mma.sync walk's, with the last warp (warpgroup 1) running ahead."""
     exe = _build(tmp_path / "planted", device_code(SOURCE.read_text(), plant, wgmma_plant=True))
     want = _run(exe, tmp_path, WIDE, bv=32, warps=8, split=3)
     done = _launch(exe, tmp_path, WIDE, bv=32, warps=8, split=3, env={**WGMMA, "DELTA_HOST_ORDER": "4"})
     if done.returncode != 0:
-        assert "NaN" in done.stderr or "raced" in done.stderr, done.stderr[-2000:]
+        assert any(m in done.stderr for m in ("NaN", "raced", "not committed")), done.stderr[-2000:]
         return
     got = (np.fromfile(Path(tmp_path) / "out.bin", np.float32), np.fromfile(Path(tmp_path) / "state_out.bin", np.float32))
     assert not all(np.array_equal(a.ravel(), b.ravel()) for a, b in zip(got, want))
@@ -356,3 +371,24 @@ def test_emulated_wgmma_walk_stride_is_free_when_stores_and_descriptors_agree(tm
     got = _run(exe, tmp_path, WIDE, bv=32, warps=8, split=3, env=WGMMA)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_wgmma_walk_fences_every_shared_operand():
+    """What the emulator cannot see, read from delta_wgmma.cu's text: each store of a wgmma B
+    operand (the split stores of S and of V') is followed by a proxy fence before the next barrier
+    (st.shared writes reach wgmma's async-proxy reads only so), each issue of products by a
+    wgmma.fence after the A fragments are written, and each wait by the keeps of its registers."""
+    text = WGMMA_SOURCE.read_text()
+    body = text[text.index("__device__ __forceinline__ void walk_wgmma("):text.index("}  // namespace delta")]
+    stores = [i for i in range(len(body)) if body.startswith("split_store<3>(", i)]
+    assert len(stores) == 2
+    for at in stores:
+        fence, barrier = body.find("wgd_proxy_fence();", at), body.find("__syncthreads();", at)
+        assert -1 < fence < barrier, body[at:at + 400]
+    issues = [i for i in range(len(body)) if body.startswith("wg_split_step<BV>(", i)]
+    assert len(issues) == 6  # W S or q S, the state update and M V', each interleaved and built first
+    for at in issues:
+        before = body[:at]
+        assert before.rfind("wgd_fence();") > max(before.rfind("split_a("), before.rfind("wgd_wait0();")), body[at - 300:at]
+    waits = [i for i in range(len(body)) if body.startswith("wgd_wait0();", i)]
+    assert len(waits) == 2 and all("wgd_keep<" in body[at:at + 120] for at in waits)

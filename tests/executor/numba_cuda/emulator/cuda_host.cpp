@@ -9,6 +9,8 @@ float* g_smem;
 int g_async = 1;
 unsigned g_exchange[64][32][8];
 unsigned delta::g_wg_a[2][delta::WGMMA_MAX][128][4];
+unsigned long long delta::g_wg_op[2][delta::WGMMA_MAX][128];
+int delta::g_wg_count[2][128];
 size_t delta::g_smem_bytes = (size_t)-1;
 
 static const std::function<void()>* g_body;

@@ -44,7 +44,7 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 
 enum FiberState { RUN, WAIT_BLOCK, WAIT_WARP, WAIT_GROUP, DONE };
 struct Copy { float* dst; const float* src; bool live; };
-struct Wgmma { float* d; int n; unsigned long long desc; int seq; std::vector<u32> b; };
+struct Wgmma { float* d; int n; unsigned long long desc; int seq; std::vector<u32> b; bool committed; };
 struct Fiber {
     ucontext_t ctx;
     FiberState state;
@@ -202,6 +202,8 @@ inline u32 smem_addr(const void* p) {
 // B outside shared memory.
 constexpr int WGMMA_MAX = 128;  // wgmma a thread may issue between waits
 extern unsigned g_wg_a[2][WGMMA_MAX][128][4];
+extern unsigned long long g_wg_op[2][WGMMA_MAX][128];  // each thread's (desc, n) of its wgmma seq, for the check
+extern int g_wg_count[2][128];                          // wgmma each thread issued since its last wait
 extern size_t g_smem_bytes;    // the block's shared memory, for the descriptor check
 
 inline void check_tf32(u32 x, const char* what) {
@@ -254,21 +256,41 @@ inline void wgmma_tf32_issue(float (&d)[N / 2], const u32* a, unsigned long long
         check_tf32(a[i], "A operand");
         g_wg_a[wg][seq][r][i] = a[i];
     }
-    g_fiber->wgmma.push_back({d, N, desc, seq, wgmma_b(desc, N)});
+    g_wg_op[wg][seq][r] = desc ^ ((unsigned long long)N << 48);  // bits 48-55 of a descriptor are 0 here
+    g_wg_count[wg][r] = seq + 1;
+    g_fiber->wgmma.push_back({d, N, desc, seq, wgmma_b(desc, N), false});
 }
 inline void wgmma_tf32_n32(float (&d)[16], const u32* a, unsigned long long desc) { wgmma_tf32_issue<32>(d, a, desc); }
 inline void wgmma_tf32_n64(float (&d)[32], const u32* a, unsigned long long desc) { wgmma_tf32_issue<64>(d, a, desc); }
 
 inline void wgd_fence() {}
-inline void wgd_commit() {}
+inline void wgd_commit() {
+    for (Wgmma& op : g_fiber->wgmma) op.committed = true;
+}
 inline void wgd_proxy_fence() {}
 template <int N, typename T>
 inline void wgd_keep(T*) {}
 
+// wgmma.wait_group 0: every committed wgmma of the thread done. Aborts on a wgmma issued and not
+// committed (wait_group does not wait for it on the hardware) and on a warpgroup whose threads did
+// not all issue the same wgmma (count, shape, descriptor: the instructions are .sync.aligned).
 inline void wgd_wait0() {
     warpgroup_barrier();
-    const int wg = g_fiber->tid / 128, r = g_fiber->tid % 128, w = r / 32, g = r % 32 / 4, t = r % 4;
+    const int wg = g_fiber->tid / 128, r = g_fiber->tid % 128, w = r / 32, g = r % 32 / 4;
+    const int count = (int)g_fiber->wgmma.size();
+    for (int x = 0; x < 128; ++x) {
+        bool same = g_wg_count[wg][x] == count;
+        for (int i = 0; same && i < count; ++i) same = g_wg_op[wg][i][x] == g_wg_op[wg][i][r];
+        if (!same) {
+            std::fprintf(stderr, "wgmma of threads %d and %d of a warpgroup differ: not .aligned\n", r, x);
+            std::abort();
+        }
+    }
     for (const Wgmma& op : g_fiber->wgmma) {
+        if (!op.committed) {
+            std::fprintf(stderr, "wgmma issued and not committed before wgmma.wait_group\n");
+            std::abort();
+        }
         if (wgmma_b(op.desc, op.n) != op.b) {
             std::fprintf(stderr, "wgmma B operand changed between issue and wait: a store raced it\n");
             std::abort();
@@ -292,6 +314,7 @@ inline void wgd_wait0() {
     }
     g_fiber->wgmma.clear();
     warpgroup_barrier();
+    g_wg_count[wg][r] = 0;
 }
 }  // namespace delta
 

@@ -2,7 +2,8 @@
 // `delta_mma_kernels.inc` is delta_mma.cu's device code, made by test_delta_mma_emulated.py.
 //
 // usage: delta_mma_host DIR KD VD BV WARPS SPLIT PER_BLOCK START_ROW ANCHOR CUT1 CUT2 ...
-//        delta_mma_host --sizes   (each build's KD VD BV WARPS and shared floats of both phases)
+//        delta_mma_host --sizes   (each build's KD VD BV WARPS and shared floats of both phases; then
+//                                   "wgmma BV FLOATS" of delta_wgmma.cu's walk at BV 32 and 64)
 //   DIR holds q, k, mixed, g, beta, state (.bin, f32, as delta_mma takes them; dims.bin: rows,
 //   key_heads, value_heads, v0) and receives out.bin and state_out.bin. Cuts are relative rows,
 //   the last one the row count. ANCHOR 1 anchors sub-chunks at absolute multiples of 64 (as the
@@ -177,7 +178,10 @@ int main(int argc, char** argv) {
     CASE(128, 128, 32, 4, 3)
     CASE(128, 128, 64, 8, 3)
 #undef CASE
-    if (list) return 0;
+    if (list) {  // delta_wgmma.cu's walk: "wgmma BV FLOATS"
+        std::printf("wgmma 32 %d\nwgmma 64 %d\n", delta::WgWalkSmem<128, 32>::FLOATS, delta::WgWalkSmem<128, 64>::FLOATS);
+        return 0;
+    }
     std::fprintf(stderr, "no instantiation for KD %d VD %d BV %d WARPS %d SPLIT %d\n", kd, vd, bv, warps, split);
     return 2;
 }
