@@ -58,7 +58,7 @@ def timed_walks(value_heads: int, rows: int, start: int, runs: int, walk=None) -
     from numba import cuda
 
     from executor.numba_cuda import delta_mma
-    from executor.numba_cuda.device import to_device
+    from executor.numba_cuda.device import median_seconds, to_device
 
     *host, state0 = inputs(value_heads, rows)
     args = [to_device(x) for x in host]
@@ -66,22 +66,14 @@ def timed_walks(value_heads: int, rows: int, start: int, runs: int, walk=None) -
     out = cuda.device_array((rows, value_heads, DIM), np.float32)
     result = {}
     for wgmma in (False, True):
-        def run():
+        def run(wgmma=wgmma):
             delta_mma.delta_mma(args[0], args[1], args[2], 4, args[3], args[4], start, 0, states, out=out,
                                 wgmma=wgmma, walk=walk)
         states.copy_to_device(state0)
         run()
         cuda.synchronize()
         digest = hashlib.sha256(out.copy_to_host().tobytes() + states.copy_to_host().tobytes()).hexdigest()[:16]
-        times = []
-        for _ in range(runs):
-            e0, e1 = cuda.event(), cuda.event()
-            e0.record()
-            run()
-            e1.record()
-            e1.synchronize()
-            times.append(cuda.event_elapsed_time(e0, e1))
-        result[wgmma] = (sorted(times)[len(times) // 2], digest)
+        result[wgmma] = (median_seconds(run, runs) * 1e3, digest)
     return result
 
 

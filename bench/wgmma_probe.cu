@@ -5,8 +5,7 @@
 // of 8 rows x 16 bytes (PTX ISA, "Shared Memory Matrix Layout", no swizzle).
 
 // Appended to bench/flash_wgmma.py's source (flash_attention.cu's helpers: smem_addr, pack2, mma;
-// flash_wgmma.cu's: wg_desc, wg_fence, wg_commit, wg_wait0, wg_keep).
-__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// executor/numba_cuda/wgmma.cu's: wg_desc, wg_fence, wg_commit, wg_wait0, wg_keep, wg_proxy_fence).
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // @WGMMA_FUNCTIONS@
 
@@ -27,7 +26,7 @@ extern "C" __global__ void __launch_bounds__(128) gemm_ss(const bf16_t* A, const
         sa[core_off(r, c)] = A[e];
         sb[core_off(r, c)] = B[e];  // B_k: r = n, c = k; B_mn: r = k, c = n
     }
-    fence_async();
+    wg_proxy_fence();
     __syncthreads();
     float d[32];
 #pragma unroll
@@ -61,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(128) gemm_rs(const bf16_t* A, const
     __shared__ __align__(128) bf16_t sb[64 * 64];
     const int tid = threadIdx.x;
     for (int e = tid; e < 64 * 64; e += 128) sb[core_off(e / 64, e % 64)] = B[e];
-    fence_async();
+    wg_proxy_fence();
     __syncthreads();
     const int w = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const u32* A32 = reinterpret_cast<const u32*>(A);  // [64, 32] pairs
@@ -129,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) loop_wgmma(float* out, int 
     bf16_t* sa = reinterpret_cast<bf16_t*>(smem);            // 2 x 64 x 64
     bf16_t* sb = sa + 2 * 64 * 64;                            // 256 x 64
     for (int e = threadIdx.x; e < (2 * 64 + 256) * 64; e += blockDim.x) sa[e] = (bf16_t)(0x3c00 + (e & 7));
-    fence_async();
+    wg_proxy_fence();
     __syncthreads();
     const int wg = threadIdx.x / 128;
     float d[128];
@@ -183,7 +182,7 @@ __device__ __forceinline__ void fill_operands(bf16_t* shared, int elements, u32 
     for (int k = 0; k < 16; ++k)
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[k][i] = 0x3c003c00u + ((threadIdx.x + k + i) & 7);
-    fence_async();
+    wg_proxy_fence();
     __syncthreads();
 }
 

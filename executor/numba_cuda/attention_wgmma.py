@@ -33,6 +33,8 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("flash_wgmma.cu")
 """The walk's CUDA C++ (appended to FLASH_SOURCE's)."""
+WGMMA_SOURCE = Path(__file__).with_name("wgmma.cu")
+"""The wgmma helpers (wg_fence, wg_commit, wg_wait0, wg_keep, wg_proxy_fence, wg_desc) both walks share."""
 FLASH_SOURCE = Path(__file__).with_name("flash_attention.cu")
 """attention_flash.SOURCE: the mma.sync walk's helpers (softmax, fold, gated write) the walk calls."""
 KERNEL = "flash_wgmma_prefill_256"
@@ -65,11 +67,12 @@ BOX_KEYS = 32
 
 
 def source() -> str:
-    """The cubin's CUDA C++: flash_attention.cu, then flash_wgmma.cu with its two wgmma functions."""
+    """The cubin's CUDA C++: flash_attention.cu, wgmma.cu, then flash_wgmma.cu with its two wgmma functions."""
     from executor.numba_cuda.nvrtc import wgmma_function
 
     functions = wgmma_function("wgmma_s", 32, True, False) + wgmma_function("wgmma_o", 256, True, True)
-    return FLASH_SOURCE.read_text() + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", functions)
+    return (FLASH_SOURCE.read_text() + WGMMA_SOURCE.read_text()
+            + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", functions))
 
 
 def unavailable() -> str | None:

@@ -613,6 +613,73 @@ __device__ __forceinline__ void times_state(float (&acc)[BV / 8][4], const float
     }
 }
 
+// The walk's copies into shared memory (`walk` and delta_wgmma.cu's walk, whose layouts L share
+// the row strides LW (W, q), LK (k) and LM (M)). Copy slots, the same every step: a thread copies
+// the 16 bytes at column cc of rows cr + RS r of W, q and k, and at column mc of rows mr + MS r of
+// M (the same elements a loop over e = tid, tid + THREADS, ... copies). Fixed slots cost a pointer
+// add a copy where the loop redid the division and the row arithmetic for each (~34 SASS
+// instructions a copy). Stage A: W and q rows of sub-chunk s; stage B: k rows, M, e^c /
+// e^(c_last - c). Each commits one cp.async group.
+template <int KD, int THREADS, class L>
+struct WalkCopies {
+    static constexpr int RS = THREADS / (KD / 4);  // W / q / k rows one pass of 16-byte copies covers
+    static constexpr int MS = THREADS / (C / 4);   // M rows one pass covers
+    static_assert(THREADS % (KD / 4) == 0 && C % RS == 0 && C % MS == 0 && THREADS >= 2 * C / 4, "copy split");
+    const float *q, *k, *w_in, *m_in, *dv_in;
+    int rows, off, value_heads, hv, tid, cr, cc, mr, mc;
+    size_t row_len, qk_at, pass_len;
+
+    __device__ __forceinline__ WalkCopies(const float* q_, const float* k_, const float* w_in_, const float* m_in_,
+                                          const float* dv_in_, int rows_, int off_, int key_heads, int value_heads_,
+                                          int hv_, int kh) {
+        q = q_;
+        k = k_;
+        w_in = w_in_;
+        m_in = m_in_;
+        dv_in = dv_in_;
+        rows = rows_;
+        off = off_;
+        value_heads = value_heads_;
+        hv = hv_;
+        tid = threadIdx.x;
+        cr = tid / (KD / 4);
+        cc = 4 * (tid % (KD / 4));
+        mr = tid / (C / 4);
+        mc = 4 * (tid % (C / 4));
+        row_len = (size_t)key_heads * KD;
+        qk_at = (size_t)cr * row_len + (size_t)kh * KD + cc;  // plus lo rows: a q / k slot
+        pass_len = (size_t)RS * row_len;
+    }
+
+    __device__ __forceinline__ void stage_a(int s, float* ws, float* qs) const {
+        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
+        const float* w = w_in + ((size_t)s * value_heads + hv) * C * KD + cr * KD + cc;
+        const size_t at = (size_t)lo * row_len + qk_at;
+#pragma unroll
+        for (int r = 0; r < C / RS; ++r) {
+            copy16(ws + (cr + RS * r) * L::LW + cc, w + RS * r * KD, true);
+            const bool live = cr + RS * r < n;
+            copy16(qs + (cr + RS * r) * L::LW + cc, live ? q + at + r * pass_len : q, live);
+        }
+        commit();
+    }
+
+    __device__ __forceinline__ void stage_b(int s, float* kt, float* ms, float* dv) const {
+        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
+        const size_t at = (size_t)lo * row_len + qk_at;
+#pragma unroll
+        for (int r = 0; r < C / RS; ++r) {
+            const bool live = cr + RS * r < n;
+            copy16(kt + (cr + RS * r) * L::LK + cc, live ? k + at + r * pass_len : k, live);
+        }
+        const float* m = m_in + ((size_t)s * value_heads + hv) * C * C + mr * C + mc;
+#pragma unroll
+        for (int r = 0; r < C / MS; ++r) copy16(ms + (mr + MS * r) * L::LM + mc, m + MS * r * C, true);
+        if (tid < 2 * C / 4) copy16(dv + 4 * tid, dv_in + ((size_t)s * value_heads + hv) * 2 * C + 4 * tid, true);
+        commit();
+    }
+};
+
 // Phase 2: one CTA of WARPS (4 or 8) warps per (BV state columns, value head) walks the sub-chunks.
 // Sub-chunk rows: warp w works on m-tile w % 4 and all NT n-tiles of V' and O. With 8 warps, warps
 // 0-3 make W S and V' = U - W S, and warps 4-7 make q S and O = e^c (q S) + M V' (each A fragment
@@ -637,10 +704,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
     constexpr int NT = BV / 8;                       // n-tiles of the CTA's columns
     constexpr int MT = KD / 16;                      // m-tiles of the state
     constexpr int SJ = (MT + WARPS - 1) / WARPS;     // state m-tiles a warp owns (at most)
-    constexpr int RS = THREADS / (KD / 4);           // W / q / k rows one pass of 16-byte copies covers
-    constexpr int MS = THREADS / (C / 4);            // M rows one pass covers
     static_assert((WARPS == 4 || WARPS == 8) && KD % 16 == 0, "tile split");
-    static_assert(THREADS % (KD / 4) == 0 && C % RS == 0 && C % MS == 0 && THREADS >= 2 * C / 4, "copy split");
     extern __shared__ __align__(16) float smem[];
     float* ws = smem + L::W;
     float* qs = smem + L::Q;
@@ -658,7 +722,6 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
     const int pr = 16 * (warp % 4) + gq;  // this thread's first sub-chunk row of V' and O
     const bool makes_v = WARPS == 4 || warp < 4, makes_o = WARPS == 4 || warp >= 4;  // warp-uniform
     const int subchunks = (off + rows + C - 1) / C;
-    const size_t row_len = (size_t)key_heads * KD;
     state += (size_t)hv * KD * value_dim;  // this value head's [KD, value_dim] state
 
     float sacc[SJ][NT][4];
@@ -681,44 +744,9 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         }
     }
 
-    // Copy slots, the same every step: a thread copies the 16 bytes at column cc of rows
-    // cr + RS r of W, q and k, and at column mc of rows mr + MS r of M (the same elements a
-    // loop over e = tid, tid + THREADS, ... copies). Fixed slots cost a pointer add a copy where
-    // the loop redid the division and the row arithmetic for each (~34 SASS instructions a copy).
-    const int cr = tid / (KD / 4), cc = 4 * (tid % (KD / 4));
-    const int mr = tid / (C / 4), mc = 4 * (tid % (C / 4));
-    const size_t qk_at = (size_t)cr * row_len + (size_t)kh * KD + cc;  // plus lo rows: a q / k slot
-    const size_t pass_len = (size_t)RS * row_len;
+    const WalkCopies<KD, THREADS, L> copies(q, k, w_in, m_in, dv_in, rows, off, key_heads, value_heads, hv, kh);
 
-    // stage A: W and q rows of sub-chunk s; stage B: k rows, M, e^c / e^(c_last - c)
-    auto stage_a = [&](int s) {
-        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
-        const float* w = w_in + ((size_t)s * value_heads + hv) * C * KD + cr * KD + cc;
-        const size_t at = (size_t)lo * row_len + qk_at;
-#pragma unroll
-        for (int r = 0; r < C / RS; ++r) {
-            copy16(ws + (cr + RS * r) * L::LW + cc, w + RS * r * KD, true);
-            const bool live = cr + RS * r < n;
-            copy16(qs + (cr + RS * r) * L::LW + cc, live ? q + at + r * pass_len : q, live);
-        }
-        commit();
-    };
-    auto stage_b = [&](int s) {
-        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
-        const size_t at = (size_t)lo * row_len + qk_at;
-#pragma unroll
-        for (int r = 0; r < C / RS; ++r) {
-            const bool live = cr + RS * r < n;
-            copy16(kt + (cr + RS * r) * L::LK + cc, live ? k + at + r * pass_len : k, live);
-        }
-        const float* m = m_in + ((size_t)s * value_heads + hv) * C * C + mr * C + mc;
-#pragma unroll
-        for (int r = 0; r < C / MS; ++r) copy16(ms + (mr + MS * r) * L::LM + mc, m + MS * r * C, true);
-        if (tid < 2 * C / 4) copy16(dv + 4 * tid, dv_in + ((size_t)s * value_heads + hv) * 2 * C + 4 * tid, true);
-        commit();
-    };
-
-    stage_a(0);
+    copies.stage_a(0, ws, qs);
     for (int s = 0; s < subchunks; ++s) {
         const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
         // the state at the sub-chunk start, as B fragments for everyone
@@ -752,7 +780,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         }
         wait_groups<0>();  // stage A of s is in (the only copies in flight)
         __syncthreads();  // S stored; the previous step's k, M, V' and row factors read
-        stage_b(s);
+        copies.stage_b(s, kt, ms, dv);
 
         // W S (p) and q S (z); with 8 warps a warp makes one of them, in `acc`
         float acc[NT][4], acc2[NT][4];
@@ -774,7 +802,7 @@ __device__ __forceinline__ void walk(const float* q, const float* k, const float
         float(&z)[NT][4] = WARPS == 4 ? acc2 : acc;
         wait_groups<0>();  // stage B of s is in
         __syncthreads();  // W, q and S buffers read
-        if (s + 1 < subchunks) stage_a(s + 1);
+        if (s + 1 < subchunks) copies.stage_a(s + 1, ws, qs);
 
         // V' = U - W S (into shared memory); O = e^c (q S)
         if (makes_v) {

@@ -21,42 +21,19 @@
 // stores conflict-free, banks g + 8 t), SBO = (rows / 4) * P (the stride byte offset between
 // 8-column groups). Descriptors as bench/wgmma_probe.py measured them (RESULTS.md, session 26).
 //
-// Appended to delta_mma.cu's text with the wgmma functions generated at the marker
-// (executor/numba_cuda/nvrtc.py: wgmma_function(..., dtype="tf32")) and compiled by NVRTC for sm_90a to a cubin
-// launched through the driver (delta_wgmma.py).
+// Appended to delta_mma.cu's and wgmma.cu's text (its helpers: wg_fence, wg_commit, wg_wait0,
+// wg_keep, wg_proxy_fence, wg_desc), with the wgmma functions generated at the marker
+// (executor/numba_cuda/nvrtc.py: wgmma_function(..., dtype="tf32")), and compiled by NVRTC for
+// sm_90a to a cubin launched through the driver (delta_wgmma.py).
 
 namespace delta {
-
-__device__ __forceinline__ void wgd_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgd_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgd_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// st.shared writes made visible to wgmma's reads (the async proxy) after the next barrier.
-__device__ __forceinline__ void wgd_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// Registers an in-flight wgmma reads or writes, pinned until after its wait: without it the
-// compiler may reuse an A register, or read an accumulator, before the wgmma is done.
-template <int N>
-__device__ __forceinline__ void wgd_keep(float* d) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void wgd_keep(u32* d) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
 
 // wgmma_tf32_n32 / wgmma_tf32_n64 (m64n{32,64}k8, A from registers, B K-major), generated:
 // @WGMMA_FUNCTIONS@
 
 // The host emulator (tests/executor/numba_cuda/emulator/cuda_host.h) stands in for everything above
-// this line (and smem_addr) and runs everything below it up to the namespace's end.
-
-// A shared-memory matrix descriptor without swizzle (PTX ISA, "Matrix Descriptor Format"): start
-// address, leading and stride byte offsets, each >> 4.
-__device__ __forceinline__ unsigned long long wgd_desc(u32 addr, u32 lbo, u32 sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
-           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);
-}
+// this line (and smem_addr, and wgmma.cu's helpers but wg_desc) and runs everything below it up to
+// the namespace's end.
 
 template <int BV>
 __device__ __forceinline__ void wgmma_tf32(float (&d)[BV / 2], const u32* a, unsigned long long b_desc) {
@@ -130,8 +107,6 @@ __device__ __forceinline__ void walk_wgmma(const float* q, const float* k, const
     constexpr int THREADS = 256;
     constexpr int NT = BV / 8;
     constexpr int KS = KD / 8;                 // k-steps of W S and q S
-    constexpr int RS = THREADS / (KD / 4);
-    constexpr int MS = THREADS / (C / 4);
     static_assert(KD == 128 && (BV == 32 || BV == 64), "the wgmma walk's shapes");
     extern __shared__ __align__(16) float smem[];
     float* ws = smem + L::W;
@@ -151,14 +126,13 @@ __device__ __forceinline__ void walk_wgmma(const float* q, const float* k, const
     const int m0 = 16 * warp + gq;           // this thread's first state row
     const bool makes_v = warp < 4;           // warpgroup 0: W S and V'; warpgroup 1: q S and O
     const int subchunks = (off + rows + C - 1) / C;
-    const size_t row_len = (size_t)key_heads * KD;
     state += (size_t)hv * KD * value_dim;
 
     // descriptors (leading byte offset P floats, stride byte offset SBO floats)
-    const unsigned long long s_hi = wgd_desc(smem_addr(ss), L::P * 4, L::SBO_S * 4);
-    const unsigned long long s_lo = wgd_desc(smem_addr(sl), L::P * 4, L::SBO_S * 4);
-    const unsigned long long v_hi = wgd_desc(smem_addr(vn), L::P * 4, L::SBO_V * 4);
-    const unsigned long long v_lo = wgd_desc(smem_addr(vl), L::P * 4, L::SBO_V * 4);
+    const unsigned long long s_hi = wg_desc(smem_addr(ss), L::P * 4, L::SBO_S * 4);
+    const unsigned long long s_lo = wg_desc(smem_addr(sl), L::P * 4, L::SBO_S * 4);
+    const unsigned long long v_hi = wg_desc(smem_addr(vn), L::P * 4, L::SBO_V * 4);
+    const unsigned long long v_lo = wg_desc(smem_addr(vl), L::P * 4, L::SBO_V * 4);
 
     float sacc[BV / 2];  // state rows m0, m0 + 8 at columns 8 nt + 2 tq, + 1 ([nt][e] flattened)
 #pragma unroll
@@ -172,40 +146,9 @@ __device__ __forceinline__ void walk_wgmma(const float* q, const float* k, const
         sacc[4 * nt + 3] = b.y;
     }
 
-    // copy slots as `walk`'s
-    const int cr = tid / (KD / 4), cc = 4 * (tid % (KD / 4));
-    const int mr = tid / (C / 4), mc = 4 * (tid % (C / 4));
-    const size_t qk_at = (size_t)cr * row_len + (size_t)kh * KD + cc;
-    const size_t pass_len = (size_t)RS * row_len;
+    const WalkCopies<KD, THREADS, L> copies(q, k, w_in, m_in, dv_in, rows, off, key_heads, value_heads, hv, kh);
 
-    auto stage_a = [&](int s) {
-        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
-        const float* w = w_in + ((size_t)s * value_heads + hv) * C * KD + cr * KD + cc;
-        const size_t at = (size_t)lo * row_len + qk_at;
-#pragma unroll
-        for (int r = 0; r < C / RS; ++r) {
-            copy16(ws + (cr + RS * r) * L::LW + cc, w + RS * r * KD, true);
-            const bool live = cr + RS * r < n;
-            copy16(qs + (cr + RS * r) * L::LW + cc, live ? q + at + r * pass_len : q, live);
-        }
-        commit();
-    };
-    auto stage_b = [&](int s) {
-        const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
-        const size_t at = (size_t)lo * row_len + qk_at;
-#pragma unroll
-        for (int r = 0; r < C / RS; ++r) {
-            const bool live = cr + RS * r < n;
-            copy16(kt + (cr + RS * r) * L::LK + cc, live ? k + at + r * pass_len : k, live);
-        }
-        const float* m = m_in + ((size_t)s * value_heads + hv) * C * C + mr * C + mc;
-#pragma unroll
-        for (int r = 0; r < C / MS; ++r) copy16(ms + (mr + MS * r) * L::LM + mc, m + MS * r * C, true);
-        if (tid < 2 * C / 4) copy16(dv + 4 * tid, dv_in + ((size_t)s * value_heads + hv) * 2 * C + 4 * tid, true);
-        commit();
-    };
-
-    stage_a(0);
+    copies.stage_a(0, ws, qs);
     for (int s = 0; s < subchunks; ++s) {
         const int lo = max(0, s * C - off), n = min(rows, (s + 1) * C - off) - lo;
         // the state at the sub-chunk start, split, as wgmma's B operand
@@ -231,10 +174,10 @@ __device__ __forceinline__ void walk_wgmma(const float* q, const float* k, const
                 uf[4 * nt + 3] = b.y;
             }
         }
-        wgd_proxy_fence();  // the split stores, then wgmma's reads
+        wg_proxy_fence();  // the split stores, then wgmma's reads
         wait_groups<0>();   // stage A of s is in
         __syncthreads();    // S stored; the previous step's k, M, V' and row factors read
-        stage_b(s);
+        copies.stage_b(s, kt, ms, dv);
 
         // W S (warpgroup 0) or q S (warpgroup 1), the A fragments split first
         float acc[BV / 2];
@@ -252,24 +195,24 @@ __device__ __forceinline__ void walk_wgmma(const float* q, const float* k, const
                 const float a[4] = {ar[k0], ar[8 * L::LW + k0], ar[k0 + 4], ar[8 * L::LW + k0 + 4]};
                 split_a(ah[s8], al[s8], a);
                 if constexpr (INTERLEAVE) {
-                    wgd_fence();
+                    wg_fence();
                     wg_split_step<BV>(acc, ah[s8], al[s8], s_hi, s_lo, g0 + s8);
                 }
             }
             if constexpr (!INTERLEAVE) {
-                wgd_fence();
+                wg_fence();
 #pragma unroll
                 for (int s8 = 0; s8 < KB; ++s8) wg_split_step<BV>(acc, ah[s8], al[s8], s_hi, s_lo, g0 + s8);
             }
-            wgd_commit();
-            wgd_wait0();
-            wgd_keep<BV / 2>(acc);
-            wgd_keep<4 * KB>(&ah[0][0]);
-            wgd_keep<4 * KB>(&al[0][0]);
+            wg_commit();
+            wg_wait0();
+            wg_keep<BV / 2>(acc);
+            wg_keep<4 * KB>(&ah[0][0]);
+            wg_keep<4 * KB>(&al[0][0]);
         }
         wait_groups<0>();  // stage B of s is in
         __syncthreads();   // W, q and S buffers read
-        if (s + 1 < subchunks) stage_a(s + 1);
+        if (s + 1 < subchunks) copies.stage_a(s + 1, ws, qs);
 
         // V' = U - W S (into shared memory); O = e^c (q S)
         if (makes_v) {
@@ -291,7 +234,7 @@ __device__ __forceinline__ void walk_wgmma(const float* q, const float* k, const
                 acc[4 * nt + 3] = __fmul_rn(acc[4 * nt + 3], e1);
             }
         }
-        wgd_proxy_fence();
+        wg_proxy_fence();
         __syncthreads();  // V' stored
 
         // S = e^(c_last) S + (k e^(c_last - c))^T V' (this warpgroup's 64 state rows) and, in
@@ -317,28 +260,28 @@ __device__ __forceinline__ void walk_wgmma(const float* q, const float* k, const
                     split_a(mh[s8], ml[s8], am);
                 }
                 if constexpr (INTERLEAVE) {
-                    wgd_fence();
+                    wg_fence();
                     wg_split_step<BV>(sacc, kh_[s8], kl_[s8], v_hi, v_lo, s8);
                     if (!makes_v) wg_split_step<BV>(acc, mh[s8], ml[s8], v_hi, v_lo, s8);
                 }
             }
             if constexpr (!INTERLEAVE) {
-                wgd_fence();
+                wg_fence();
 #pragma unroll
                 for (int s8 = 0; s8 < CS; ++s8) wg_split_step<BV>(sacc, kh_[s8], kl_[s8], v_hi, v_lo, s8);
                 if (!makes_v)
 #pragma unroll
                     for (int s8 = 0; s8 < CS; ++s8) wg_split_step<BV>(acc, mh[s8], ml[s8], v_hi, v_lo, s8);
             }
-            wgd_commit();
-            wgd_wait0();
-            wgd_keep<BV / 2>(sacc);
-            wgd_keep<BV / 2>(acc);
-            wgd_keep<4 * CS>(&kh_[0][0]);
-            wgd_keep<4 * CS>(&kl_[0][0]);
+            wg_commit();
+            wg_wait0();
+            wg_keep<BV / 2>(sacc);
+            wg_keep<BV / 2>(acc);
+            wg_keep<4 * CS>(&kh_[0][0]);
+            wg_keep<4 * CS>(&kl_[0][0]);
             if (!makes_v) {
-                wgd_keep<4 * CS>(&mh[0][0]);
-                wgd_keep<4 * CS>(&ml[0][0]);
+                wg_keep<4 * CS>(&mh[0][0]);
+                wg_keep<4 * CS>(&ml[0][0]);
             }
         }
         if (!makes_v) {

@@ -27,7 +27,7 @@ from executor.numba_cuda.delta_chunked import SUBCHUNK_ROWS
 SOURCE = Path(__file__).with_name("delta_wgmma.cu")
 """The walk's CUDA C++ (appended to delta_mma.cu's)."""
 DELTA_SOURCE = Path(__file__).with_name("delta_mma.cu")
-"""delta_mma.SOURCE: the helpers the walk calls (tf32, split_store, copy16, ...)."""
+"""delta_mma.SOURCE: the helpers the walk calls (tf32, split_store, copy16, WalkCopies, ...)."""
 KEY_DIM = 128
 """The only key dim the walk is built for (every Qwen3.5 linear-attention layer's)."""
 COLUMNS = (32, 64)
@@ -59,11 +59,13 @@ def kernel_name(bv: int) -> str:
 
 
 def source() -> str:
-    """The cubin's CUDA C++: delta_mma.cu, then delta_wgmma.cu with its wgmma functions."""
+    """The cubin's CUDA C++: delta_mma.cu, wgmma.cu, then delta_wgmma.cu with its wgmma functions."""
+    from executor.numba_cuda.attention_wgmma import WGMMA_SOURCE
     from executor.numba_cuda.nvrtc import wgmma_function
 
     functions = "".join(wgmma_function(f"wgmma_tf32_n{n}", n, True, False, "tf32") for n in COLUMNS)
-    return DELTA_SOURCE.read_text() + "\n" + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", functions)
+    return (DELTA_SOURCE.read_text() + "\n" + WGMMA_SOURCE.read_text()
+            + SOURCE.read_text().replace("// @WGMMA_FUNCTIONS@", functions))
 
 
 @functools.cache

@@ -26,11 +26,7 @@
 // (executor/numba_cuda/nvrtc.py: wgmma_function) and compiled by NVRTC for sm_90a to a cubin
 // launched through the driver (attention_wgmma.py).
 
-__device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 lbo, u32 sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
-           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);
-}
-// The same in the 128-byte swizzle (bits 62-63: 1).
+// wg_desc (wgmma.cu, before this text) in the 128-byte swizzle (bits 62-63: 1).
 __device__ __forceinline__ unsigned long long wg_desc_128b(u32 addr, u32 lbo, u32 sbo) {
     return wg_desc(addr, lbo, sbo) | (1ull << 62);
 }
@@ -42,15 +38,6 @@ __device__ __forceinline__ unsigned long long wg_desc_128b(u32 addr, u32 lbo, u3
 // (bench/RESULTS.md, session 36: 0.88x the time at 9B's 32K chunks).
 __device__ __forceinline__ unsigned long long wg_desc_plus(unsigned long long desc, u32 offset) {
     return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (offset >> 4));
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// Registers a wgmma wrote, pinned after its wait (else the compiler may read them before it).
-template <int N>
-__device__ __forceinline__ void wg_keep(float* d) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // TMA and mbarriers (PTX ISA, "cp.async.bulk.tensor", "mbarrier"). A tensor map is the driver's
@@ -196,7 +183,7 @@ __device__ __forceinline__ void one_barrier_ring(int first, int last, Load load,
         const int s1 = min(s0 + SEG, last);
         for (int b = s0; b < s1; ++b) {
             wait_groups<0>();
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            wg_proxy_fence();
             __syncthreads();  // block b is in for every thread; block b - 2's stage is free
             load(b + 1);
             run(b);
@@ -243,7 +230,7 @@ __device__ __forceinline__ void walk_blocks_swizzled(u32 ring0, const bf16_t* kb
         const int s1 = min(s0 + SEG, last);
         for (int b = s0; b < s1; ++b) {
             wait_groups<STAGES - 2>();
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
+            wg_proxy_fence();  // cp.async writes, then wgmma reads
             __syncthreads();  // block b is in for every thread
             const u32 stage = ring0 + 2u * (b % STAGES) * BLOCK_BYTES;
             scores(b, stage);
@@ -497,7 +484,7 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
     load_group(0);   // K_1, V_0
     load_group(1);   // K_2, V_1
     wait_groups<2>();
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    wg_proxy_fence();
     __syncthreads();
     issue_scores(0);
     wg_wait0();
@@ -506,7 +493,7 @@ __device__ __forceinline__ void lookahead_walk(const float* q, const float* qg, 
     rescale<D>(w.acc, alpha);
     for (int b = 0; b < last; ++b) {
         wait_groups<1>();  // G_b in (G_{b+1} may not be)
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
+        wg_proxy_fence();  // cp.async writes, then wgmma reads
         __syncthreads();
         u32 pf[BN / 16][4];
 #pragma unroll

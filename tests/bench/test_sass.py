@@ -189,7 +189,7 @@ def _planted(replace):
 
 @pytest.mark.parametrize("old,new", [
     ("wait_groups<1>();  // G_b in", "wait_groups<2>();  // G_b in"),
-    ("""asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes, then wgmma reads
+    ("""wg_proxy_fence();  // cp.async writes, then wgmma reads
         __syncthreads();
         u32 pf""", """__syncthreads();
         u32 pf"""),

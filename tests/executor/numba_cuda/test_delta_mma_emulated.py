@@ -28,6 +28,7 @@ from tests.executor.numba_cuda.kernel_support import build_emulated, delta_input
 HERE = Path(__file__).parent / "emulator"
 SOURCE = Path(__file__).parents[3] / "executor" / "numba_cuda" / "delta_mma.cu"
 WGMMA_SOURCE = SOURCE.with_name("delta_wgmma.cu")
+WGMMA_HELPERS = SOURCE.with_name("wgmma.cu")
 V0 = 4
 TOL = {1: 4e-3, 3: 1e-5}
 """Relative to max |ref| against the float64 twin (the emulated products are exact, summed in
@@ -75,6 +76,11 @@ def device_code(source: str, plant: tuple[str, str] | None = None, wgmma_plant: 
             raise ValueError(f"delta_wgmma.cu no longer has exactly one {plant[0]!r}")
         wgmma = wgmma.replace(*plant)
     wgmma = wgmma.replace("extern __shared__ __align__(16) float smem[];", "float* smem = g_smem;")
+    helpers_text = WGMMA_HELPERS.read_text()  # wgmma.cu: the emulator stands in for all of it but wg_desc
+    mark = "// The host emulator of the delta rule's tests"
+    if mark not in helpers_text:
+        raise ValueError(f"wgmma.cu no longer has {mark!r}: update device_code")
+    wgmma = helpers_text[helpers_text.index(mark):] + wgmma
     return '#include "cuda_host.h"\nnamespace delta {\n' + helpers + body + "namespace delta {\n" + wgmma + "}\n"
 
 
@@ -330,18 +336,18 @@ def test_emulated_wgmma_walk_gives_the_mma_sync_walk_s_bits(host, tmp_path, case
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-PLANTED_WGMMA_BARRIER = ("        wgd_proxy_fence();\n        __syncthreads();  // V' stored",
-                         "        wgd_proxy_fence();  /* planted: barrier removed */")
+PLANTED_WGMMA_BARRIER = ("        wg_proxy_fence();\n        __syncthreads();  // V' stored",
+                         "        wg_proxy_fence();  /* planted: barrier removed */")
 """The wgmma walk's barrier between warpgroup 0's V' stores and both warpgroups' wgmma reading V'."""
-PLANTED_WGMMA_COMMIT = ("            wgd_commit();\n            wgd_wait0();\n            wgd_keep<BV / 2>(sacc);",
-                        "            wgd_wait0();\n            wgd_keep<BV / 2>(sacc);")
+PLANTED_WGMMA_COMMIT = ("            wg_commit();\n            wg_wait0();\n            wg_keep<BV / 2>(sacc);",
+                        "            wg_wait0();\n            wg_keep<BV / 2>(sacc);")
 """The state update's products waited for but never committed: wgmma.wait_group does not wait for
 them on the hardware, so the state and O would be read while they run."""
 PLANTED_WGMMA_STRIDE = ("constexpr int CORE_P = 36;", "constexpr int CORE_P = 32;")
 """S and V' with their core matrices 128 bytes apart along k instead of 144, in the stores and the
 descriptors alike: not a break (P only spreads the stores over the banks), so the bits stay."""
-PLANTED_WGMMA_DESC = ("const unsigned long long s_hi = wgd_desc(smem_addr(ss), L::P * 4, L::SBO_S * 4);",
-                      "const unsigned long long s_hi = wgd_desc(smem_addr(ss), L::SBO_S * 4, L::P * 4);")
+PLANTED_WGMMA_DESC = ("const unsigned long long s_hi = wg_desc(smem_addr(ss), L::P * 4, L::SBO_S * 4);",
+                      "const unsigned long long s_hi = wg_desc(smem_addr(ss), L::SBO_S * 4, L::P * 4);")
 """S's descriptor with its leading and stride byte offsets swapped (the other reading of the PTX
 ISA's table): W S and q S read S's elements in the wrong places."""
 
@@ -383,12 +389,12 @@ def test_wgmma_walk_fences_every_shared_operand():
     stores = [i for i in range(len(body)) if body.startswith("split_store<3>(", i)]
     assert len(stores) == 2
     for at in stores:
-        fence, barrier = body.find("wgd_proxy_fence();", at), body.find("__syncthreads();", at)
+        fence, barrier = body.find("wg_proxy_fence();", at), body.find("__syncthreads();", at)
         assert -1 < fence < barrier, body[at:at + 400]
     issues = [i for i in range(len(body)) if body.startswith("wg_split_step<BV>(", i)]
     assert len(issues) == 6  # W S or q S, the state update and M V', each interleaved and built first
     for at in issues:
         before = body[:at]
-        assert before.rfind("wgd_fence();") > max(before.rfind("split_a("), before.rfind("wgd_wait0();")), body[at - 300:at]
-    waits = [i for i in range(len(body)) if body.startswith("wgd_wait0();", i)]
-    assert len(waits) == 2 and all("wgd_keep<" in body[at:at + 120] for at in waits)
+        assert before.rfind("wg_fence();") > max(before.rfind("split_a("), before.rfind("wg_wait0();")), body[at - 300:at]
+    waits = [i for i in range(len(body)) if body.startswith("wg_wait0();", i)]
+    assert len(waits) == 2 and all("wg_keep<" in body[at:at + 120] for at in waits)

@@ -192,7 +192,7 @@ inline u32 smem_addr(const void* p) {
 // wgmma (delta_wgmma.cu): wgmma.mma_async.sync.aligned.m64n{32,64}k8.f32.tf32.tf32 with A from
 // registers and B K-major in shared memory without swizzle, issued asynchronously: an issue
 // records the thread's A fragment in its warpgroup's table, and the B elements its outputs need,
-// read from shared memory then, in its list; the products run at wgmma.wait_group (wgd_wait0) in
+// read from shared memory then, in its list; the products run at wgmma.wait_group (wg_wait0) in
 // issue order, after a warpgroup barrier (every thread's fragment is in) and before another (no
 // one refills the table early), each as mma_tf32 sums: exact products over the k-step summed in
 // double onto d, rounded once. So the emulated wgmma walk's bits are the emulated mma.sync walk's.
@@ -263,18 +263,18 @@ inline void wgmma_tf32_issue(float (&d)[N / 2], const u32* a, unsigned long long
 inline void wgmma_tf32_n32(float (&d)[16], const u32* a, unsigned long long desc) { wgmma_tf32_issue<32>(d, a, desc); }
 inline void wgmma_tf32_n64(float (&d)[32], const u32* a, unsigned long long desc) { wgmma_tf32_issue<64>(d, a, desc); }
 
-inline void wgd_fence() {}
-inline void wgd_commit() {
+inline void wg_fence() {}
+inline void wg_commit() {
     for (Wgmma& op : g_fiber->wgmma) op.committed = true;
 }
-inline void wgd_proxy_fence() {}
+inline void wg_proxy_fence() {}
 template <int N, typename T>
-inline void wgd_keep(T*) {}
+inline void wg_keep(T*) {}
 
 // wgmma.wait_group 0: every committed wgmma of the thread done. Aborts on a wgmma issued and not
 // committed (wait_group does not wait for it on the hardware) and on a warpgroup whose threads did
 // not all issue the same wgmma (count, shape, descriptor: the instructions are .sync.aligned).
-inline void wgd_wait0() {
+inline void wg_wait0() {
     warpgroup_barrier();
     const int wg = g_fiber->tid / 128, r = g_fiber->tid % 128, w = r / 32, g = r % 32 / 4;
     const int count = (int)g_fiber->wgmma.size();
