@@ -8,11 +8,14 @@ logits are compared. Decode: `lanes` streams at a context of `ctx` rows (K/V row
 recurrent states filled with random values: no prefill needed), eager and replayed as
 CUDA graphs; tokens/s against the roofline lanes / (weight bytes per step / copy
 bandwidth), and against a fuller floor that adds the K/V rows and recurrent states a step
-must read. Prefill: one chunk of `rows` rows from an empty state; TTFT (wall, logits on
-the host; the median of `--ttft-repeats` prefills, 3 by default, each listed in the JSON's
-`ttft_runs_s`, with `logits_sha256` of the last row's logits, the same in every run or the bench
-stops; the peer's is one prefill) and rows/s against the bf16 matrix roofline (matrix and attention FLOPs over the
-measured GEMM rate). Per-kernel device times (launches queued behind a spin kernel, events
+must read. Prefill: one chunk of `rows` rows from an empty state (or the policy's chunks of
+`--chunk-rows`), its last layer's tail as the server passes it (DESIGN rule 8; `--tail on,off`
+times it against the whole last layer, and a preset reports an error if the two give other
+logits bits); TTFT (wall, logits on the host; the median of `--ttft-repeats` prefills, 3 by
+default, each listed in the JSON's `ttft_runs_s`, with `logits_sha256` of the last row's logits,
+the same in every run or the bench stops; the peer's is one prefill, its whole last layer) and
+rows/s against the bf16 matrix roofline (the matrix and attention FLOPs the prefill does, over
+the measured GEMM rate). Per-kernel device times (launches queued behind a spin kernel, events
 around each call) say where the time goes. One file with the peer (~400 lines): the two
 sides share the weights, the rooflines and the table.
 Usage (GPU machine): python -m bench.decode_prefill [--presets a,b] [--out DIR] [--no-peer]
@@ -45,6 +48,9 @@ from executor.numba_cuda.device import (CallTimer, deferred_frees, device_name, 
                                         release_memory, spin, to_device)
 from executor.numba_cuda.graphs import DecodeGraphs
 from executor.presets import preset
+from policy.config import PolicyConfig
+from policy.plan import Chunk, plan_chunks
+from policy.tail import TailFacts, tail_from
 
 
 @attrs.frozen
@@ -86,6 +92,18 @@ class BenchConfig:
     by side (empty: the backend's own, on unless WARMSTATE_BF16_PRODUCTS=0)."""
     ttft_repeats: int = 3
     """Prefills a TTFT is the median of (each from an empty state; `ttft_runs_s` keeps them all)."""
+    tail: tuple[bool, ...] = ()
+    """Last-layer tail settings to time side by side (empty: on, as the server runs a cold pass). On:
+    the prompt's last chunk passes `tail_from` from `policy.tail.tail_from` with the scheduler's
+    default `TailFacts` (DESIGN rule 8: the last layer's q, attention, gate, o_proj and MLP over the
+    last `tail_rows` rows only, K/V over every row; the kept row's logits are the same bits), and a
+    chunk before it skips the last layer's q/o/MLP and the LM head; off: every row runs the whole
+    last layer (what the bench timed before session 41)."""
+    chunk_rows: tuple[int | None, ...] = ()
+    """Plans to time side by side, as the largest chunk in rows (empty: one chunk of the whole
+    prompt). N runs the prompt in the chunks `policy.plan.plan_chunks` cuts with grid_rows =
+    max_chunk_rows = N (the server's defaults are 4096 and 4096), one `prefill` call a chunk, no
+    state kept between them (the server would also snapshot a state at each mark)."""
 
 
 # rooflines --------------------------------------------------------------------------------
@@ -139,12 +157,41 @@ def step_bytes(c: Qwen35Config, ctx: int, lanes: int) -> int:
     return weight_bytes(c) + lanes * per_lane
 
 
-def prefill_flops(c: Qwen35Config, rows: int) -> float:
+def prefill_flops(c: Qwen35Config, rows: int, tail_rows: int | None = None) -> float:
     """Matrix FLOPs of a prefill of `rows` rows: the layer GEMMs, causal attention (QK and
-    PV over rows^2 / 2 pairs), the LM head of the last row."""
+    PV over rows^2 / 2 pairs), the LM head of the last row. tail_rows (DESIGN rule 8; None: the
+    whole last layer): the last layer runs kv_proj over every row and its other matrices and its
+    attention over the last tail_rows rows only (those rows see rows - tail_rows / 2 keys on
+    average), so the work a tailed prefill does, which its roofline is then taken on."""
     gemm = 2.0 * rows * sum(n * k for n, k in _matrices(c))
-    attn = 2.0 * rows * rows * c.num_attention_heads * c.head_dim * len(c.full_layers)
+    pairs = [rows * rows / 2.0] * len(c.full_layers)
+    if tail_rows is not None:
+        if c.layer_types[-1] != FULL:
+            raise ValueError("a tail needs a full-attention last layer")
+        skipped = rows - tail_rows
+        gemm -= 2.0 * skipped * sum(n * k for name, (n, k) in device_weights.matrix_shapes(c, FULL).items()
+                                    if name != "kv_proj")
+        pairs[-1] = tail_rows * (rows - tail_rows / 2.0)
+    attn = 4.0 * sum(pairs) * c.num_attention_heads * c.head_dim
     return gemm + attn + 2.0 * c.hidden_size * c.vocab_size
+
+
+def served_tail_from(c: Qwen35Config, chunk: Chunk) -> int | None:
+    """The tail_from the server passes for `chunk` (DESIGN rule 8): `policy.tail.tail_from` with the
+    scheduler's default TailFacts (PolicyConfig's tail_rows, no reader) on this model's facts, and
+    None where the model has no full-attention last layer (the stepper passes no tail then)."""
+    facts = TailFacts(tail_rows=PolicyConfig().tail_rows, last_layer_is_attention=c.layer_types[-1] == FULL,
+                      even_head_grouping=c.num_attention_heads % c.num_key_value_heads == 0)
+    return tail_from(chunk, facts)
+
+
+def prompt_chunks(rows: int, chunk_rows: int | None) -> tuple[Chunk, ...]:
+    """The cold pass's chunks of a `rows`-row prompt (no request starts): one chunk when
+    chunk_rows is None, else `plan_chunks` with grid_rows = max_chunk_rows = chunk_rows; the last
+    one reads its logits."""
+    if chunk_rows is None:
+        return (Chunk(0, rows, True),)
+    return plan_chunks(rows, (), 0, PolicyConfig(grid_rows=chunk_rows, max_chunk_rows=chunk_rows))
 
 
 # ours -----------------------------------------------------------------------------------
@@ -252,11 +299,12 @@ def decode_ours(backend: NumbaCudaBackend, ctx: int, lanes: int, cfg: BenchConfi
 
 def prefill_settings(cfg: BenchConfig, chosen: tuple) -> list[tuple]:
     """The prefill settings to time, in order: every (attention path, delta-rule path, residual
-    accumulate, large-M GEMM, lookahead, bf16 products) of cfg's lists, each empty list standing for
-    the backend's own choice in `chosen` (the same six, in that order). Lookahead only switches the
-    flash path's walk, so another path is timed once, with the first lookahead setting."""
+    accumulate, large-M GEMM, lookahead, bf16 products, tail, chunk rows) of cfg's lists, each empty
+    list standing for the backend's own choice in `chosen` (the same eight, in that order; the
+    tail's own is on, the chunk rows' None: one chunk). Lookahead only switches the flash path's
+    walk, so another path is timed once, with the first lookahead setting."""
     lists = (cfg.prefill_attention, cfg.prefill_delta, cfg.residual_accumulate, cfg.gemm_large, cfg.flash_lookahead,
-             cfg.bf16_products)
+             cfg.bf16_products, cfg.tail, cfg.chunk_rows)
     lists = [given or (own,) for given, own in zip(lists, chosen)]
     return [s for s in itertools.product(*lists) if s[0] == "flash" or s[4] == lists[4][0]]
 
@@ -268,14 +316,25 @@ def logits_digest(logits: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(logits, np.float32).tobytes()).hexdigest()[:16]
 
 
-def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile: bool) -> dict:
+def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile: bool, tail: bool = False,
+                 chunk_rows: int | None = None) -> dict:
+    """TTFT of a `rows`-row prompt from an empty state: the median of cfg.ttft_repeats cold passes,
+    each the chunks of `prompt_chunks(rows, chunk_rows)` (wall time from the first call to the
+    last row's logits on the host). tail: each chunk passes the server's tail_from
+    (`served_tail_from`); off, every chunk runs the whole last layer (tail_from = its start). The
+    profile (per-kernel device ms) times a one-chunk prompt's single launch, with its tail."""
+    c = backend.config
     rng = np.random.default_rng(cfg.seed + rows)
-    ids = [int(t) for t in rng.integers(0, backend.config.vocab_size, rows)]
+    ids = [int(t) for t in rng.integers(0, c.vocab_size, rows)]
+    chunks = prompt_chunks(rows, chunk_rows)
+    tails = [served_tail_from(c, chunk) if tail else chunk.start for chunk in chunks]
     runs, digests = [], set()
     for _ in range(max(1, cfg.ttft_repeats)):
         state = backend.new_state()
         t0 = time.perf_counter()
-        logits = backend.prefill(state, ids, (0, rows))
+        for chunk, first in zip(chunks, tails):
+            kwargs = {} if first is None else {"tail_from": first}
+            logits = backend.prefill(state, ids, (chunk.start, chunk.end), want_logits=chunk.reads_logits, **kwargs)
         runs.append(time.perf_counter() - t0)
         backend.release(state)
         assert np.isfinite(logits).all(), "non-finite prefill logits"
@@ -283,13 +342,17 @@ def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile
     if len(digests) != 1:
         raise AssertionError(
             f"prefill of {rows} rows gave {len(digests)} different last-row logits over {len(runs)} runs")
+    last_tail = tails[-1] if tails[-1] is not None else chunks[-1].start
     out = {"rows": rows, "ttft_s": float(np.median(runs)), "ttft_runs_s": [round(t, 4) for t in runs],
-           "logits_sha256": digests.pop()}
-    if profile:
+           "logits_sha256": digests.pop(), "chunks": len(chunks),
+           "tail_rows": chunks[-1].end - last_tail if last_tail > chunks[-1].start else None}
+    if profile and len(chunks) == 1:
         state = backend.new_state()
         s = state.slot
         args = [to_device(np.asarray(a, np.int32)) for a in (ids, np.arange(rows), np.full(rows, s), [s], [0, rows])]
-        out["profile"] = _profile(backend, lambda: backend.prefill_step(*args, rows - 1, slot=s), 100.0, False)
+        first = last_tail - chunks[0].start
+        out["profile"] = _profile(backend, lambda: backend.prefill_step(*args, rows - 1, slot=s, first_tail=first),
+                                  100.0, False)
         backend.release(state)
     return out
 
@@ -437,24 +500,27 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
         raise RuntimeError(f"--flash-lookahead on: {attention_flash.lookahead_status()}")
     chosen_products = backend.bf16_products
     settings = prefill_settings(cfg, (chosen, chosen_delta, chosen_accumulate, chosen_large, chosen_lookahead,
-                                      chosen_products))
+                                      chosen_products, True, None))
     for rows in prefill_rows:
-        for path, delta, accumulate, large, lookahead, products in settings:
+        for path, delta, accumulate, large, lookahead, products, tail, chunk_rows in settings:
             backend.set_prefill_attention(path, after_prefill=True)
             backend.set_prefill_delta(delta, after_prefill=True)
             backend.residual_accumulate, backend.gemm.large = accumulate, large
             backend.flash_lookahead = lookahead
             backend.bf16_products = products
             # these paths' kernels compiled and warm, past 1,024 rows the bf16 products' too (and their searches)
-            prefill_ours(backend, min(rows, 1025), attrs.evolve(cfg, ttft_repeats=1), False)
-            r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows))
-            r["roof_s"] = prefill_flops(c, rows) / (ceil["bf16_tflops"] * 1e12)
+            prefill_ours(backend, min(rows, 1025), attrs.evolve(cfg, ttft_repeats=1), False, tail)
+            r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows), tail, chunk_rows)
+            r["roof_s"] = prefill_flops(c, rows, r["tail_rows"]) / (ceil["bf16_tflops"] * 1e12)
             r["attention"], r["delta"], r["accumulate"], r["gemm_large"] = path, delta, accumulate, large
             r["flash_lookahead"] = lookahead if path == "flash" else None  # the other paths have no walk
-            r["bf16_products"] = products
+            r["bf16_products"], r["tail"], r["chunk_rows"] = products, tail, chunk_rows
             result["prefill"].append(r)
             log(f"{name} prefill {rows} ({_setting(r)}): TTFT {r['ttft_s']:.3f} s (runs {r['ttft_runs_s']}), "
                 f"logits sha256 {r['logits_sha256']}")
+    result["tail_differs"] = tail_differs(result["prefill"])
+    if result["tail_differs"]:  # after every setting ran: the rows stay in the result, beside the error
+        raise AssertionError(f"the tail or the plan changed the last row's logits: {result['tail_differs']}")
     backend.gemm.large = chosen_large
     backend.set_prefill_attention(chosen, after_prefill=True)
     backend.set_prefill_delta(chosen_delta, after_prefill=True)
@@ -501,6 +567,18 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
     release_memory()
 
 
+def tail_differs(prefill: list[dict]) -> list[str]:
+    """Prefill rows that differ only in the tail or the plan but gave other last-row logits: each as
+    'rows N: digest, digest'. The tail changes no bit of them (DESIGN, "tail equals full"), nor do
+    cuts on the 64-row grid (chunk invariance), so an entry here is a bug, not a timing."""
+    groups: dict[tuple, set] = {}
+    for r in prefill:
+        key = tuple(r.get(k) for k in ("rows", "attention", "delta", "accumulate", "gemm_large", "flash_lookahead",
+                                       "bf16_products"))
+        groups.setdefault(key, set()).add(r["logits_sha256"])
+    return [f"rows {key[0]}: {', '.join(sorted(d))}" for key, d in groups.items() if len(d) > 1]
+
+
 def _ratio(num, den, fmt: str) -> str:
     return "-" if num is None or den is None else format(num / den, fmt)
 
@@ -513,7 +591,21 @@ def _setting(r: dict) -> str:
     """A prefill row's paths and switches, as the log and the profile lines name them."""
     return (f"{r.get('attention', '-')} attention, {r.get('delta', '-')} delta rule, residual accumulate "
             f"{_on_off(r.get('accumulate'))}, large-M GEMM {_on_off(r.get('gemm_large'))}, "
-            f"lookahead {_on_off(r.get('flash_lookahead'))}, bf16 products {_on_off(r.get('bf16_products'))}")
+            f"lookahead {_on_off(r.get('flash_lookahead'))}, bf16 products {_on_off(r.get('bf16_products'))}, "
+            f"tail {_tail(r)}, {_plan(r)}")
+
+
+def _tail(r: dict) -> str:
+    """'on (128 rows)', 'on (none)' (the chunk too short for one), 'off' or '-' (not recorded)."""
+    if r.get("tail") is None:
+        return "-"
+    return f"on ({r['tail_rows'] or 'none'}{' rows' if r.get('tail_rows') else ''})" if r["tail"] else "off"
+
+
+def _plan(r: dict) -> str:
+    """'1 chunk' or 'N chunks of M'."""
+    n = r.get("chunks", 1)
+    return "1 chunk" if n == 1 else f"{n} chunks of {r.get('chunk_rows')}"
 
 
 def tables(results: dict) -> str:
@@ -532,15 +624,15 @@ def tables(results: dict) -> str:
                      _ratio(r["full_roof_s"], r["graph_s"], ".0%")]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     lines += ["", "| model | prompt rows | attention | delta rule | residual accumulate | large-M GEMM | lookahead | "
-              "bf16 products | ours TTFT s (median) | ours rows/s | peer TTFT s | matrix roofline TTFT s | ours / roofline | "
-              "ours / peer |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "bf16 products | tail | plan | ours TTFT s (median) | ours rows/s | peer TTFT s | matrix roofline TTFT s | "
+              "ours / roofline | ours / peer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["presets"].items():
         for r in p["prefill"]:
             peer = r.get("peer_ttft_s")
             cells = [name, r["rows"], r.get("attention", "-"), r.get("delta", "-"), _on_off(r.get("accumulate")),
                      _on_off(r.get("gemm_large")), _on_off(r.get("flash_lookahead")), _on_off(r.get("bf16_products")),
-                     f"{r['ttft_s']:.3f}",
+                     _tail(r), _plan(r), f"{r['ttft_s']:.3f}",
                      _ratio(r["rows"], r["ttft_s"], ".0f"),
                      "-" if peer is None else f"{peer:.3f}", f"{r['roof_s']:.3f}", _ratio(r["roof_s"], r["ttft_s"], ".1%"),
                      _ratio(peer, r["ttft_s"], ".2f") + ("x" if peer else "")]
@@ -627,6 +719,15 @@ def main(argv: list[str] | None = None) -> None:
                              "in_proj and gate|up from cuBLASLt's bf16 epilogue for chunks past 1,024 rows, off in "
                              "f32 for their consumers to round (the same bits; default: the backend's, on unless "
                              "WARMSTATE_BF16_PRODUCTS=0)")
+    parser.add_argument("--tail", default="",
+                        help="last-layer tail settings to time side by side, comma-separated, from on,off: on passes "
+                             "the server's tail_from (DESIGN rule 8: the last layer's q, attention, o_proj and MLP "
+                             "over the last 128 rows only; the same logits bits), off runs the whole last layer "
+                             "(default: on, as the server runs a cold pass)")
+    parser.add_argument("--chunk-rows", default="",
+                        help="plans to time side by side, comma-separated chunk sizes in rows: N runs the prompt in "
+                             "the policy's chunks with grid_rows = max_chunk_rows = N (the server's defaults: 4096), "
+                             "0 as one chunk (default: one chunk)")
     parser.add_argument("--ttft-repeats", type=int, default=defaults.ttft_repeats,
                         help=f"prefills a TTFT is the median of (default {defaults.ttft_repeats})")
     args = parser.parse_args(argv)
@@ -653,8 +754,17 @@ def main(argv: list[str] | None = None) -> None:
         unknown = set(changes["prefill_delta"]) - {"mma", "cuda-core"}
         if unknown:
             parser.error(f"--prefill-delta: unknown paths {sorted(unknown)} (mma, cuda-core)")
+    if args.chunk_rows:
+        try:
+            sizes = [int(v) for v in args.chunk_rows.split(",")]
+        except ValueError:
+            parser.error(f"--chunk-rows: {args.chunk_rows!r} is not a comma-separated list of integers")
+        if any(v < 0 for v in sizes):
+            parser.error(f"--chunk-rows: sizes must be >= 0 (0: one chunk), got {args.chunk_rows}")
+        changes["chunk_rows"] = tuple(v or None for v in sizes)
     for flag, field in (("--residual-accumulate", "residual_accumulate"), ("--gemm-large", "gemm_large"),
-                        ("--flash-lookahead", "flash_lookahead"), ("--bf16-products", "bf16_products")):
+                        ("--flash-lookahead", "flash_lookahead"), ("--bf16-products", "bf16_products"),
+                        ("--tail", "tail")):
         value = getattr(args, field)
         if value:
             settings = value.split(",")

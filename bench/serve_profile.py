@@ -73,7 +73,7 @@ import numpy as np
 
 from bench.fidelity_report import BUSY_GAP_S
 from bench.profile import monotone, noisy_note, steep_raises
-from executor.server_process import attach_server_args, ready_fields, start_server, stop_server
+from executor.server_process import attach_server_args, ready_fields, served_model, start_server, stop_server
 from policy.config import format_policy, policy_from_dict
 from sim.api import git_commit, machine
 from policy.shape import state_bytes
@@ -419,8 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if grid_rows != base.invariant_rows:
             print(f"note: the server resumes on invariant_rows {grid_rows}, --base {base.name} on "
                   f"{base.invariant_rows}: the profile takes the server's", flush=True)
-        with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
-            model = json.loads(resp.read())["data"][0]["id"]
+        model = served_model(url)
         print(f"{args.name}: server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
         served = measure(Client(url, model), trace.with_name(trace.name + ".steps.jsonl"), grid,
                          restore_s=lambda rows: base.restore_s(state_bytes(base.shape, rows)))

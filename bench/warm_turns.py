@@ -66,7 +66,7 @@ import attrs
 
 from executor.chat import ChatRenderer, builtin_template, load_template
 from executor.metrics import STEP_PHASES
-from executor.server_process import attach_server_args, ready_fields, start_server, stop_server
+from executor.server_process import attach_server_args, ready_fields, served_model, start_server, stop_server
 from executor.tokenizer import default_tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +121,7 @@ class Server:
         self.url, self.cache_on, self.proc, self.trace, self.command = url, cache_on, proc, trace, command
         self.start_grid = start_grid
         self._conn: http.client.HTTPConnection | None = None
-        with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
-            self.model = json.loads(resp.read())["data"][0]["id"]
+        self.model = served_model(url)
 
     @classmethod
     def start(cls, server_args: list[str], cache_on: bool, workdir: Path, name: str, timeout_s: float) -> Server:

@@ -364,10 +364,10 @@ def parse_completion(body: Mapping[str, Any], vocab_size: int) -> CompletionCall
         if not prompt:
             raise ApiError("prompt: must not be empty", "prompt", code="invalid_value")
         value: str | tuple[int, ...] = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise ApiError(f"prompt: token id {bad[0]} is outside [0, {vocab_size})", "prompt", code="invalid_value")
+    elif isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:  # JSON ints (a bool is not one)
+        if min(prompt) < 0 or max(prompt) >= vocab_size:  # C loops: 32K ids in ~1 ms, not ~3 in a Python one
+            bad = next(t for t in prompt if not 0 <= t < vocab_size)
+            raise ApiError(f"prompt: token id {bad} is outside [0, {vocab_size})", "prompt", code="invalid_value")
         value = tuple(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise _unsupported("prompt", "one prompt per request (a list of prompts is not supported)")

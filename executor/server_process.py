@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,10 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> int | None:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def served_model(url: str, timeout_s: float = 30.0) -> str:
+    """The id of the model a started server at `url` serves (the first of its /v1/models).
+    Raises OSError (urllib's URLError and HTTPError are ones) when the server does not answer."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=timeout_s) as resp:
+        return json.loads(resp.read())["data"][0]["id"]

@@ -597,17 +597,21 @@ class NumbaCudaBackend:
         return state.logits
 
     def prefill_step(self, ids, positions, row_slots, lane_slots, row_start, max_pos: int, stream=0,
-                     slot: int | None = None):
-        """Launch a whole prefill chunk (no tail) of one stream from device inputs, as `prefill`
-        does, and return the device logits f32 [1, vocab] of its last row; no checks, and the
-        `DeviceState` is not advanced (benchmarks and profiles time this). The chunk's rows
-        are positions [max_pos + 1 - rows, max_pos]; slot: the stream's slot (host int; read
-        from lane_slots, a device sync, when None)."""
+                     slot: int | None = None, first_tail: int = 0):
+        """Launch a whole prefill chunk of one stream from device inputs, as `prefill` does, and
+        return the device logits f32 [1, vocab] of its last row; no checks, and the `DeviceState`
+        is not advanced (benchmarks and profiles time this). The chunk's rows are positions
+        [max_pos + 1 - rows, max_pos]; slot: the stream's slot (host int; read from lane_slots, a
+        device sync, when None); first_tail: the last layer's first tail row, relative to the
+        chunk (0: no tail; `prefill`'s tail_from - start, < rows)."""
         if slot is None:
             slot = int(lane_slots.copy_to_host()[0])
         at = (slot, max_pos + 1 - ids.shape[0])
         meta = to_device(np.asarray([ids.shape[0], at[1], slot], np.int32), stream)
-        return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, at, 0, True, stream, meta)
+        if not 0 <= first_tail < ids.shape[0]:
+            raise ValueError(f"first_tail {first_tail} is outside [0, {ids.shape[0]})")
+        return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, at, first_tail, True, stream,
+                             meta)
 
     def decode_inputs(self, states: Sequence[DeviceState], token_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
         """Check a decode round's arguments; returns host i32 (token ids, positions, slots),

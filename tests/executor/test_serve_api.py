@@ -283,3 +283,24 @@ def test_prompt_type_errors_say_what_is_wrong():
         with pytest.raises(ApiError) as err:
             parse_completion({"prompt": prompt}, 100)
         assert err.value.param == "prompt" and words in err.value.message
+
+
+def test_prompt_ids_out_of_the_vocabulary_name_the_first_bad_one():
+    from executor.api_schema import ApiError, parse_completion
+
+    assert parse_completion({"prompt": [0, 5, 99]}, 100).prompt == (0, 5, 99)
+    for prompt, bad in (([3, 100, -1], 100), ([3, -1, 100], -1), ([7] * 40000 + [250000], 250000)):
+        with pytest.raises(ApiError) as err:
+            parse_completion({"prompt": prompt}, 100)
+        assert err.value.param == "prompt" and f"token id {bad} is outside [0, 100)" in err.value.message
+    for prompt in ([True, 2], [1, 2.0], [1, None]):  # JSON's true is no token id
+        with pytest.raises(ApiError, match="list of token ids"):
+            parse_completion({"prompt": prompt}, 100)
+
+
+def test_an_id_prompt_starts_a_request_at_each_im_start():
+    from executor.server import rows_of
+
+    assert rows_of((5, 9, 1, 9, 9), 9) == (1, 3, 4)
+    assert rows_of((5, 1, 2), 9) == ()
+    assert rows_of((9,), 9) == (0,)
