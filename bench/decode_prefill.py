@@ -16,7 +16,7 @@ default, each listed in the JSON's `ttft_runs_s`, with `logits_sha256` of the la
 the same in every run or the bench stops; the peer's is one prefill, its whole last layer) and
 rows/s against the bf16 matrix roofline (the matrix and attention FLOPs the prefill does, over
 the measured GEMM rate). Per-kernel device times (launches queued behind a spin kernel, events
-around each call) say where the time goes. One file with the peer (~400 lines): the two
+around each call) say where the time goes. One file with the peer: the two
 sides share the weights, the rooflines and the table.
 Usage (GPU machine): python -m bench.decode_prefill [--presets a,b] [--out DIR] [--no-peer]
 """
@@ -157,32 +157,36 @@ def step_bytes(c: Qwen35Config, ctx: int, lanes: int) -> int:
     return weight_bytes(c) + lanes * per_lane
 
 
-def prefill_flops(c: Qwen35Config, rows: int, tail_rows: int | None = None) -> float:
+def prefill_flops(c: Qwen35Config, rows: int, last_rows: int | None = None) -> float:
     """Matrix FLOPs of a prefill of `rows` rows: the layer GEMMs, causal attention (QK and
-    PV over rows^2 / 2 pairs), the LM head of the last row. tail_rows (DESIGN rule 8; None: the
-    whole last layer): the last layer runs kv_proj over every row and its other matrices and its
-    attention over the last tail_rows rows only (those rows see rows - tail_rows / 2 keys on
-    average), so the work a tailed prefill does, which its roofline is then taken on."""
+    PV over rows^2 / 2 pairs), the LM head of the last row. last_rows (DESIGN rule 8; None:
+    rows, the whole last layer): the last layer runs kv_proj over every row and its other
+    matrices and its attention over the prompt's last `last_rows` rows only (those see
+    rows - last_rows / 2 keys on average): the work a tailed prefill does, which its roofline
+    is then taken on."""
     gemm = 2.0 * rows * sum(n * k for n, k in _matrices(c))
     pairs = [rows * rows / 2.0] * len(c.full_layers)
-    if tail_rows is not None:
+    if last_rows is not None and last_rows != rows:
         if c.layer_types[-1] != FULL:
             raise ValueError("a tail needs a full-attention last layer")
-        skipped = rows - tail_rows
+        if not 0 <= last_rows <= rows:
+            raise ValueError(f"last_rows {last_rows} is outside [0, {rows}]")
+        skipped = rows - last_rows
         gemm -= 2.0 * skipped * sum(n * k for name, (n, k) in device_weights.matrix_shapes(c, FULL).items()
                                     if name != "kv_proj")
-        pairs[-1] = tail_rows * (rows - tail_rows / 2.0)
+        pairs[-1] = last_rows * (rows - last_rows / 2.0)
     attn = 4.0 * sum(pairs) * c.num_attention_heads * c.head_dim
     return gemm + attn + 2.0 * c.hidden_size * c.vocab_size
 
 
 def served_tail_from(c: Qwen35Config, chunk: Chunk) -> int | None:
     """The tail_from the server passes for `chunk` (DESIGN rule 8): `policy.tail.tail_from` with the
-    scheduler's default TailFacts (PolicyConfig's tail_rows, no reader) on this model's facts, and
-    None where the model has no full-attention last layer (the stepper passes no tail then)."""
-    facts = TailFacts(tail_rows=PolicyConfig().tail_rows, last_layer_is_attention=c.layer_types[-1] == FULL,
-                      even_head_grouping=c.num_attention_heads % c.num_key_value_heads == 0)
-    return tail_from(chunk, facts)
+    scheduler's default TailFacts (PolicyConfig's tail_rows, no reader: `executor.runtime.Runtime`
+    builds its scheduler so), and None where the model's last layer is not full attention (the
+    stepper passes no tail then: `executor.stepper.Stepper`)."""
+    if c.layer_types[-1] != FULL:
+        return None
+    return tail_from(chunk, TailFacts(tail_rows=PolicyConfig().tail_rows))
 
 
 def prompt_chunks(rows: int, chunk_rows: int | None) -> tuple[Chunk, ...]:
@@ -342,10 +346,14 @@ def prefill_ours(backend: NumbaCudaBackend, rows: int, cfg: BenchConfig, profile
     if len(digests) != 1:
         raise AssertionError(
             f"prefill of {rows} rows gave {len(digests)} different last-row logits over {len(runs)} runs")
-    last_tail = tails[-1] if tails[-1] is not None else chunks[-1].start
+    firsts = [chunk.start if first is None else first for chunk, first in zip(chunks, tails)]
+    # rows that ran the last layer's q, attention, o_proj and MLP: the last chunk's tail (the chunks before it
+    # skip them when the tail is on), or every row
+    last_rows = sum(chunk.end - first for chunk, first in zip(chunks, firsts))
     out = {"rows": rows, "ttft_s": float(np.median(runs)), "ttft_runs_s": [round(t, 4) for t in runs],
-           "logits_sha256": digests.pop(), "chunks": len(chunks),
-           "tail_rows": chunks[-1].end - last_tail if last_tail > chunks[-1].start else None}
+           "logits_sha256": digests.pop(), "chunks": len(chunks), "last_layer_rows": last_rows,
+           "tail_rows": last_rows if tail else None}
+    last_tail = firsts[-1]
     if profile and len(chunks) == 1:
         state = backend.new_state()
         s = state.slot
@@ -511,7 +519,7 @@ def run_preset(name: str, cfg: BenchConfig, ceil: dict, log, result: dict) -> No
             # these paths' kernels compiled and warm, past 1,024 rows the bf16 products' too (and their searches)
             prefill_ours(backend, min(rows, 1025), attrs.evolve(cfg, ttft_repeats=1), False, tail)
             r = prefill_ours(backend, rows, cfg, profile and rows == max(prefill_rows), tail, chunk_rows)
-            r["roof_s"] = prefill_flops(c, rows, r["tail_rows"]) / (ceil["bf16_tflops"] * 1e12)
+            r["roof_s"] = prefill_flops(c, rows, r["last_layer_rows"]) / (ceil["bf16_tflops"] * 1e12)
             r["attention"], r["delta"], r["accumulate"], r["gemm_large"] = path, delta, accumulate, large
             r["flash_lookahead"] = lookahead if path == "flash" else None  # the other paths have no walk
             r["bf16_products"], r["tail"], r["chunk_rows"] = products, tail, chunk_rows
@@ -596,10 +604,11 @@ def _setting(r: dict) -> str:
 
 
 def _tail(r: dict) -> str:
-    """'on (128 rows)', 'on (none)' (the chunk too short for one), 'off' or '-' (not recorded)."""
+    """'on (N rows)': N rows ran the last layer's q, attention, o_proj and MLP (the last chunk's
+    tail, or the whole of a last chunk too short for one), 'off' or '-' (not recorded)."""
     if r.get("tail") is None:
         return "-"
-    return f"on ({r['tail_rows'] or 'none'}{' rows' if r.get('tail_rows') else ''})" if r["tail"] else "off"
+    return f"on ({r['tail_rows']} rows)" if r["tail"] else "off"
 
 
 def _plan(r: dict) -> str:
@@ -722,12 +731,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tail", default="",
                         help="last-layer tail settings to time side by side, comma-separated, from on,off: on passes "
                              "the server's tail_from (DESIGN rule 8: the last layer's q, attention, o_proj and MLP "
-                             "over the last 128 rows only; the same logits bits), off runs the whole last layer "
-                             "(default: on, as the server runs a cold pass)")
+                             f"over the last {PolicyConfig().tail_rows} rows only; the same logits bits), off runs the "
+                             "whole last layer (default: on, as the server runs a cold pass)")
     parser.add_argument("--chunk-rows", default="",
-                        help="plans to time side by side, comma-separated chunk sizes in rows: N runs the prompt in "
-                             "the policy's chunks with grid_rows = max_chunk_rows = N (the server's defaults: 4096), "
-                             "0 as one chunk (default: one chunk)")
+                        help="plans to time side by side, comma-separated chunk sizes in rows: N (a multiple of "
+                             f"{nb_backend.INVARIANT_ROWS}) runs the prompt in the policy's chunks with grid_rows = "
+                             f"max_chunk_rows = N (the server's defaults: {PolicyConfig().max_chunk_rows}), 0 as one "
+                             "chunk; the per-kernel profile times one-chunk plans only (default: one chunk)")
     parser.add_argument("--ttft-repeats", type=int, default=defaults.ttft_repeats,
                         help=f"prefills a TTFT is the median of (default {defaults.ttft_repeats})")
     args = parser.parse_args(argv)
@@ -759,8 +769,10 @@ def main(argv: list[str] | None = None) -> None:
             sizes = [int(v) for v in args.chunk_rows.split(",")]
         except ValueError:
             parser.error(f"--chunk-rows: {args.chunk_rows!r} is not a comma-separated list of integers")
-        if any(v < 0 for v in sizes):
-            parser.error(f"--chunk-rows: sizes must be >= 0 (0: one chunk), got {args.chunk_rows}")
+        grid = nb_backend.INVARIANT_ROWS
+        if any(v < 0 or v % grid for v in sizes):
+            parser.error(f"--chunk-rows: sizes must be multiples of {grid} (the backend's invariant grid, on which "
+                         f"cuts change no bit), or 0 for one chunk; got {args.chunk_rows}")
         changes["chunk_rows"] = tuple(v or None for v in sizes)
     for flag, field in (("--residual-accumulate", "residual_accumulate"), ("--gemm-large", "gemm_large"),
                         ("--flash-lookahead", "flash_lookahead"), ("--bf16-products", "bf16_products"),

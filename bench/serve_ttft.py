@@ -9,7 +9,8 @@ prompts of `--rows` random token ids each, one at a time, streamed (`stream: tru
 carries a token. Every prompt begins with other ids, so none resumes a kept state; the usage
 each reports (`cached_tokens` 0) is checked. The server's trace (`--trace`) gives each request's
 chunks and the tail the scheduler passed. Prints one table row and writes serve_ttft.json into
-`--out`.
+`--out` (with the seed, commit, machine and date). `--server-args` may set `--context` (default:
+the prompt's rows + 16), not `--policy` or `--trace`, which are the bench's own.
 
 Usage (GPU machine): python -m bench.serve_ttft --server-args "--random-weights qwen3.5-9b"
   [--rows 32768] [--chunk-rows 32768] [--repeat 3] [--warmup 1] --out DIR
@@ -18,6 +19,7 @@ Usage (GPU machine): python -m bench.serve_ttft --server-args "--random-weights 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shlex
 import sys
@@ -32,6 +34,7 @@ import numpy as np
 
 from executor.server_process import attach_server_args, ready_fields, served_model, start_server, stop_server
 from policy.config import format_policy, policy_from_dict
+from sim.api import git_commit, machine
 
 IDS = (1000, 30000)
 """Prompt token ids are drawn from [IDS[0], IDS[1]) (inside every Qwen3.5 vocabulary)."""
@@ -124,9 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     policy = args.out / "policy.toml"
     policy.write_text(format_policy(policy_from_dict({"grid_rows": chunk, "max_chunk_rows": chunk})))
+    given = shlex.split(args.server_args)
+    for flag in ("--policy", "--trace"):
+        if any(a == flag or a.startswith(flag + "=") for a in given):
+            ap.error(f"--server-args: {flag} is this bench's own (from --chunk-rows and --out)")
     trace = args.out / "trace.jsonl"
-    server_args = [*shlex.split(args.server_args), "--policy", str(policy), "--trace", str(trace)]
-    if "--context" not in server_args:
+    server_args = [*given, "--policy", str(policy), "--trace", str(trace)]
+    if not any(a == "--context" or a.startswith("--context=") for a in given):
         server_args += ["--context", str(args.rows + 16)]
     command = " ".join(["python -m bench.serve_ttft", *(argv if argv is not None else sys.argv[1:])])
     proc = None
@@ -145,13 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop_server(proc, 30.0)
     result["chunks"] = cold_chunks(trace)
     result |= {"command": command, "server_args": server_args, "chunk_rows": chunk, "model": model,
-               "backend": ready.get("backend")}
+               "backend": ready.get("backend"), "seed": args.seed, "commit": git_commit(), "machine": machine(),
+               "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     (args.out / "serve_ttft.json").write_text(json.dumps(result, indent=1) + "\n")
     last = result["chunks"][-1] if result["chunks"] else []
     tail = "-" if not last or last[-1][2] is None else f"from row {last[-1][2]}"
     print("| model | prompt rows | chunks | last chunk's tail | TTFT s (median) | runs s | warm-up s |\n"
           "| --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| {model} | {args.rows} | {len(last)} of up to {chunk} | {tail} | {result['ttft_s']:.3f} | "
+    print(f"| {model} | {args.rows} | {len(last)} (at most {chunk} rows each) | {tail} | {result['ttft_s']:.3f} | "
           f"{', '.join(map(str, result['ttft_runs_s']))} | {', '.join(map(str, result['warmup_s']))} |", flush=True)
     return 0
 

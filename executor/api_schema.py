@@ -119,7 +119,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 """A JSON escape of a UTF-16 surrogate (\\uD800-\\uDFFF): the only way a body that is valid UTF-8 gets
 one into a string. Without a match `decode_body` skips `_check_strings`, whose walk of a 32K-id
-prompt took ~15 ms (one call and one path string an id; bench/RESULTS.md, session 41)."""
+prompt took 7-8 ms on the CPU VM (one call and one path string an id; bench/RESULTS.md, session 41)."""
 
 
 def _check_strings(value: Any, path: str) -> None:

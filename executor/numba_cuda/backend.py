@@ -606,10 +606,10 @@ class NumbaCudaBackend:
         chunk (0: no tail; `prefill`'s tail_from - start, < rows)."""
         if slot is None:
             slot = int(lane_slots.copy_to_host()[0])
-        at = (slot, max_pos + 1 - ids.shape[0])
-        meta = to_device(np.asarray([ids.shape[0], at[1], slot], np.int32), stream)
         if not 0 <= first_tail < ids.shape[0]:
             raise ValueError(f"first_tail {first_tail} is outside [0, {ids.shape[0]})")
+        at = (slot, max_pos + 1 - ids.shape[0])
+        meta = to_device(np.asarray([ids.shape[0], at[1], slot], np.int32), stream)
         return self._forward(ids, positions, row_slots, lane_slots, row_start, max_pos, at, first_tail, True, stream,
                              meta)
 

@@ -129,7 +129,13 @@ def test_a_tail_takes_the_skipped_rows_work_off_the_roofline():
     full_pairs, tail_pairs = rows * rows / 2, t * (rows - t / 2)
     attention = 4.0 * (full_pairs - tail_pairs) * c.num_attention_heads * c.head_dim
     assert prefill_flops(c, rows) - prefill_flops(c, rows, t) == pytest.approx(skipped_gemm + attention, rel=1e-12)
-    assert prefill_flops(c, rows, t) < prefill_flops(c, rows)
+    assert prefill_flops(c, rows, rows) == prefill_flops(c, rows)  # every row ran the last layer
+    # the 9B at 32K by hand: 24 linear layers (in_proj 12352 x 4096, out_proj 4096 x 4096), 8 full (q 8192, kv 2048,
+    # o 4096 x 4096), 32 MLPs (gate|up 24576 x 4096, down 4096 x 12288), causal attention 16 heads of 256, the LM head
+    mlp = 24576 * 4096 + 4096 * 12288
+    params = 24 * (12352 * 4096 + 4096 * 4096 + mlp) + 8 * ((8192 + 2048) * 4096 + 4096 * 4096 + mlp)
+    by_hand = 2.0 * rows * params + 8 * 4.0 * (rows * rows / 2) * 16 * 256 + 2.0 * 4096 * 248320
+    assert prefill_flops(c, rows) == pytest.approx(by_hand, rel=1e-12)
 
 
 def test_a_prefill_passes_the_server_s_tail_to_each_chunk():
@@ -138,11 +144,27 @@ def test_a_prefill_passes_the_server_s_tail_to_each_chunk():
     fake = _FakeBackend([same])
     out = prefill_ours(fake, 10000, cfg, profile=False, tail=True, chunk_rows=4096)
     assert fake.calls == [((0, 4096), False, 4096), ((4096, 8192), False, 8192), ((8192, 10000), True, 10000 - 128)]
-    assert (out["chunks"], out["tail_rows"]) == (3, 128)
+    assert (out["chunks"], out["tail_rows"], out["last_layer_rows"]) == (3, 128, 128)
     fake = _FakeBackend([same])
     out = prefill_ours(fake, 10000, cfg, profile=False, tail=False)
     assert fake.calls == [((0, 10000), True, 0)]  # the whole last layer: tail_from = the chunk's start
-    assert (out["chunks"], out["tail_rows"]) == (1, None)
+    assert (out["chunks"], out["tail_rows"], out["last_layer_rows"]) == (1, None, 10000)
+    fake = _FakeBackend([same])
+    out = prefill_ours(fake, 10000, cfg, profile=False, tail=False, chunk_rows=4096)
+    assert fake.calls == [((0, 4096), False, 0), ((4096, 8192), False, 4096), ((8192, 10000), True, 8192)]
+    assert out["last_layer_rows"] == 10000
+
+
+def test_a_last_chunk_too_short_for_a_tail_still_counts_what_ran():
+    """A review found the roofline counting the whole last layer here: the chunks before the last skip its
+    q/o/MLP (tail_from = their end), and the 64-row last chunk runs them over its own rows only."""
+    cfg = attrs.evolve(BenchConfig(), ttft_repeats=1)
+    fake = _FakeBackend([np.zeros(50, np.float32)])
+    out = prefill_ours(fake, 8256, cfg, profile=False, tail=True, chunk_rows=4096)
+    assert fake.calls == [((0, 4096), False, 4096), ((4096, 8192), False, 8192), ((8192, 8256), True, None)]
+    assert (out["tail_rows"], out["last_layer_rows"]) == (64, 64)
+    c = preset("qwen3.5-9b")
+    assert prefill_flops(c, 8256, 64) < prefill_flops(c, 8256, 128) < prefill_flops(c, 8256)
 
 
 def test_tail_on_and_off_must_give_the_same_logits():
@@ -174,3 +196,12 @@ def test_a_bad_chunk_rows_is_named(value, capsys):
         main(["--chunk-rows", value])
     assert stop.value.code == 2
     assert "--chunk-rows:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1000", "4096,100"])
+def test_chunk_rows_off_the_invariant_grid_are_refused(value, capsys):
+    """Cuts off the 64-row grid may change bits, and the run compares plans' digests: refused up front."""
+    with pytest.raises(SystemExit) as stop:
+        main(["--chunk-rows", value])
+    assert stop.value.code == 2
+    assert "multiples of 64" in capsys.readouterr().err

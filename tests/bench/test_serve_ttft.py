@@ -45,7 +45,8 @@ def test_a_tiny_server_run(tmp_path, capsys, chunk_rows, chunks, tail):
     assert out["ttft_s"] > 0
     assert out["chunks"] == [[list(c) for c in chunks]] * 3
     row = capsys.readouterr().out.splitlines()[-1]
-    assert row.startswith(f"| tiny-qwen3_5-v1 | 300 | {len(chunks)} of up to {chunk_rows or 300} | {tail} |")
+    assert row.startswith(f"| tiny-qwen3_5-v1 | 300 | {len(chunks)} (at most {chunk_rows or 300} rows each) | {tail} |")
+    assert out["seed"] == 0 and out["commit"] and out["machine"] and out["server_args"][-2:] == ["--context", "316"]
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--rows", "0"), ("--repeat", "0"), ("--warmup", "-1"),
@@ -55,3 +56,16 @@ def test_cli_errors_name_the_flag(tmp_path, capsys, flag, value):
         main([flag, value, "--out", str(tmp_path)])
     assert stop.value.code == 2
     assert f"{flag}: must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["--policy p.toml", "--trace=t.jsonl"])
+def test_the_bench_s_own_server_flags_are_refused(tmp_path, capsys, given):
+    with pytest.raises(SystemExit) as stop:
+        main(["--server-args", given, "--out", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "is this bench's own" in capsys.readouterr().err
+
+
+def test_a_server_that_fails_to_start_is_an_error_and_leaves_nothing_running(tmp_path, capsys):
+    assert main(["--server-args", "--lanes 0", "--rows", "300", "--out", str(tmp_path), "--timeout-s", "60"]) == 1
+    assert "error: the server did not get ready" in capsys.readouterr().err
