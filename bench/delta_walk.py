@@ -33,23 +33,17 @@ def parse_chunks(text: str) -> list[tuple[int, int]]:
 
 def inputs(value_heads: int, rows: int) -> tuple[np.ndarray, ...]:
     """Host inputs of one chunk (qn, k, mixed with v from column 4, g, beta, state0), f32: the random
-    inputs of the tests' delta_inputs (seed 7) with the gates slowed 100x, so the carried state
+    inputs of `ops.random_delta_inputs` (seed 7, as the tests draw them) with the gates slowed 100x, so the carried state
     reaches the outputs; the recipe session 40's run used (digests in bench/RESULTS.md)."""
     from executor.reference import ops
 
     r = np.random.default_rng(7)
-    q = ops.l2_normalize(r.normal(size=(rows, KEY_HEADS, DIM)).astype(np.float32))
-    k = ops.l2_normalize(r.normal(size=(rows, KEY_HEADS, DIM)).astype(np.float32))
-    v = r.normal(size=(rows, value_heads, DIM)).astype(np.float32)
-    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
-    a_log = np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32)
-    dt_bias = r.normal(0, 0.5, value_heads).astype(np.float32)
-    g, beta = ops.delta_gates(a, b, a_log, dt_bias)
-    g = (g.astype(np.float32) * np.float32(0.01)).astype(np.float32)
+    q, k, v, g, beta = ops.random_delta_inputs(r, rows, KEY_HEADS, value_heads, DIM, DIM)
+    g = (g * np.float32(0.01)).astype(np.float32)
     qn = (q * np.float32(DIM**-0.5)).astype(np.float32)
     mixed = np.concatenate([np.zeros((rows, 4), np.float32), v.reshape(rows, -1)], axis=1)
     state0 = (r.normal(size=(1, value_heads, DIM, DIM)) * 0.3).astype(np.float32)
-    return qn, k, mixed, g, beta.astype(np.float32), state0
+    return qn, k, mixed, g, beta, state0
 
 
 def timed_walks(value_heads: int, rows: int, start: int, runs: int, walk=None) -> dict:

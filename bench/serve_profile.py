@@ -73,7 +73,7 @@ import numpy as np
 
 from bench.fidelity_report import BUSY_GAP_S
 from bench.profile import monotone, noisy_note, steep_raises
-from executor.server_process import attach_server_args, ready_fields, served_model, start_server, stop_server
+from executor.server_process import attach_server_args, running_server
 from policy.config import format_policy, policy_from_dict
 from sim.api import git_commit, machine
 from policy.shape import state_bytes
@@ -409,26 +409,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "--trace", str(trace)]
     command = " ".join(["python -m bench.serve_profile", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
-    proc = None
     try:
-        proc, url, _ = start_server(server_args, args.out / "server.log", args.timeout_s)
-        ready = ready_fields(args.out / "server.log")
-        if "invariant_rows" not in ready:
-            raise RuntimeError(f"no invariant_rows in the server's ready line ({args.out / 'server.log'})")
-        grid_rows = ready["invariant_rows"]
-        if grid_rows != base.invariant_rows:
-            print(f"note: the server resumes on invariant_rows {grid_rows}, --base {base.name} on "
-                  f"{base.invariant_rows}: the profile takes the server's", flush=True)
-        model = served_model(url)
-        print(f"{args.name}: server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        served = measure(Client(url, model), trace.with_name(trace.name + ".steps.jsonl"), grid,
-                         restore_s=lambda rows: base.restore_s(state_bytes(base.shape, rows)))
+        with running_server(server_args, args.out / "server.log", args.timeout_s) as (url, ready, model):
+            if "invariant_rows" not in ready:
+                raise RuntimeError(f"no invariant_rows in the server's ready line ({args.out / 'server.log'})")
+            grid_rows = ready["invariant_rows"]
+            if grid_rows != base.invariant_rows:
+                print(f"note: the server resumes on invariant_rows {grid_rows}, --base {base.name} on "
+                      f"{base.invariant_rows}: the profile takes the server's", flush=True)
+            print(f"{args.name}: server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            served = measure(Client(url, model), trace.with_name(trace.name + ".steps.jsonl"), grid,
+                             restore_s=lambda rows: base.restore_s(state_bytes(base.shape, rows)))
     except (RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if proc is not None:
-            stop_server(proc, 30.0)
     gpu = "CPU (reference backend)" if ready.get("backend") == "reference" else None
     profile = to_profile(served, grid, base, args.name, command, server_args, model, grid_rows, gpu)
     path = args.out / f"{args.name}.json"

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from executor.server_process import attach_server_args, ready_fields, served_model, start_server, stop_server
+from executor.server_process import attach_server_args, running_server
 from policy.config import format_policy, policy_from_dict
 from sim.api import git_commit, machine
 
@@ -136,20 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not any(a == "--context" or a.startswith("--context=") for a in given):
         server_args += ["--context", str(args.rows + 16)]
     command = " ".join(["python -m bench.serve_ttft", *(argv if argv is not None else sys.argv[1:])])
-    proc = None
     t0 = time.perf_counter()
     try:
-        proc, url, _ = start_server(server_args, args.out / "server.log", args.timeout_s)
-        ready = ready_fields(args.out / "server.log")
-        model = served_model(url)
-        print(f"server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        result = measure(url, model, args.rows, args.repeat, args.warmup, args.seed)
+        with running_server(server_args, args.out / "server.log", args.timeout_s) as (url, ready, model):
+            print(f"server ready at {url} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            result = measure(url, model, args.rows, args.repeat, args.warmup, args.seed)
     except (RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if proc is not None:
-            stop_server(proc, 30.0)
     result["chunks"] = cold_chunks(trace)
     result |= {"command": command, "server_args": server_args, "chunk_rows": chunk, "model": model,
                "backend": ready.get("backend"), "seed": args.seed, "commit": git_commit(), "machine": machine(),

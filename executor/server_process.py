@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,16 @@ def served_model(url: str, timeout_s: float = 30.0) -> str:
     Raises OSError (urllib's URLError and HTTPError are ones) when the server does not answer."""
     with urllib.request.urlopen(url + "/v1/models", timeout=timeout_s) as resp:
         return json.loads(resp.read())["data"][0]["id"]
+
+
+@contextmanager
+def running_server(args: Sequence[str], log_path: Path, timeout_s: float,
+                   grace_s: float = 30.0) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """`start_server`, then (base URL, `ready_fields` of its log, `served_model`) for the block; the
+    server is stopped (`stop_server` with `grace_s`) when the block ends, however it ends. Raises
+    what `start_server` and `served_model` raise (RuntimeError, OSError)."""
+    proc, url, _ = start_server(args, log_path, timeout_s)
+    try:
+        yield url, ready_fields(log_path), served_model(url)
+    finally:
+        stop_server(proc, grace_s)

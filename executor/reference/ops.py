@@ -143,6 +143,22 @@ def delta_gates(a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.nda
     return g, beta
 
 
+def random_delta_inputs(r: np.random.Generator, rows: int, key_heads: int, value_heads: int, key_dim: int,
+                        value_dim: int) -> tuple[np.ndarray, ...]:
+    """Random inputs of a prefill delta rule as `gated_delta_rule_chunked` takes them, drawn from `r` in
+    a fixed order (tests and bench/delta_walk.py share it, so a seed names the same inputs and digests
+    in both): q, k (L2-normalised, unscaled) f32 [rows, key_heads, key_dim], v f32 [rows, value_heads,
+    value_dim], g and beta f32 [rows, value_heads] (`delta_gates` of random a, b, a_log, dt_bias)."""
+    q = l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    k = l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
+    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
+    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
+    a_log = np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32)
+    dt_bias = r.normal(0, 0.5, value_heads).astype(np.float32)
+    g, beta = delta_gates(a, b, a_log, dt_bias)
+    return q, k, v, g.astype(np.float32), beta.astype(np.float32)
+
+
 def _repeat_key_heads(x64: np.ndarray, value_heads: int) -> np.ndarray:
     """Value head h reads key head h // (value_heads // key_heads) (repeat_interleave)."""
     key_heads = x64.shape[-2]

@@ -69,3 +69,16 @@ def test_the_bench_s_own_server_flags_are_refused(tmp_path, capsys, given):
 def test_a_server_that_fails_to_start_is_an_error_and_leaves_nothing_running(tmp_path, capsys):
     assert main(["--server-args", "--lanes 0", "--rows", "300", "--out", str(tmp_path), "--timeout-s", "60"]) == 1
     assert "error: the server did not get ready" in capsys.readouterr().err
+
+
+def test_running_server_stops_the_server_when_its_block_raises(tmp_path):
+    import urllib.request
+
+    from executor.server_process import running_server
+
+    with pytest.raises(ZeroDivisionError):
+        with running_server([], tmp_path / "server.log", 60.0) as (url, ready, model):
+            assert model == "tiny-qwen3_5-v1" and ready["backend"] == "reference"
+            1 / 0
+    with pytest.raises(OSError):  # nothing listens there any more
+        urllib.request.urlopen(url + "/v1/models", timeout=5)

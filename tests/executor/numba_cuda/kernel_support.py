@@ -25,18 +25,9 @@ def rng() -> np.random.Generator:
     return np.random.default_rng()
 
 
-def delta_inputs(r: np.random.Generator, rows, key_heads, value_heads, key_dim, value_dim):
-    """Random inputs of a prefill delta rule as the twin ops.gated_delta_rule_chunked takes them:
-    q, k (L2-normalised, unscaled) f32 [rows, key_heads, key_dim], v f32 [rows, value_heads,
-    value_dim], g and beta f32 [rows, value_heads] (ops.delta_gates of random a, b, a_log, dt_bias)."""
-    q = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
-    k = ops.l2_normalize(r.normal(size=(rows, key_heads, key_dim)).astype(np.float32))
-    v = r.normal(size=(rows, value_heads, value_dim)).astype(np.float32)
-    a, b = r.normal(size=(2, rows, value_heads)).astype(np.float32)
-    a_log = np.log(r.uniform(0.05, 1.5, value_heads)).astype(np.float32)
-    dt_bias = r.normal(0, 0.5, value_heads).astype(np.float32)
-    g, beta = ops.delta_gates(a, b, a_log, dt_bias)
-    return q, k, v, g.astype(np.float32), beta.astype(np.float32)
+delta_inputs = ops.random_delta_inputs
+"""Random inputs of a prefill delta rule (`executor.reference.ops.random_delta_inputs`, shared with
+bench/delta_walk.py)."""
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
