@@ -331,16 +331,43 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, rotary_dim: int) ->
     return out
 
 
+ATTENTION_SCORE_BYTES = 256 << 20
+"""Most bytes of float64 scores `attention` holds at once. Past it, the query rows run in blocks of
+ATTENTION_BLOCK_ROWS (absolute rows, from row 0); at or under it the whole chunk runs at once, as
+before blocks existed (the bits of every such call are unchanged). A 32K-row prompt on the tiny
+model would otherwise ask 2 x 2 x 32768^2 float64 = 16 GiB at once."""
+ATTENTION_BLOCK_ROWS = 512
+"""Query rows a block of `attention` over a long chunk (see ATTENTION_SCORE_BYTES)."""
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_row: int) -> np.ndarray:
     """Causal grouped-query softmax attention of rows [start_row, start_row + rows).
 
     Query row i (absolute row start_row + i) attends to key rows [0, start_row + i].
     Query head h reads KV head h // (q_heads // kv_heads). Scale head_dim^-0.5;
     scores and softmax in float64. Source: eager_attention_forward.
+    When the chunk's scores (q_heads x rows x (start_row + rows) float64) pass
+    ATTENTION_SCORE_BYTES, query rows run in blocks on absolute multiples of
+    ATTENTION_BLOCK_ROWS, each against its causal prefix of keys only.
     q: float32  # [rows, q_heads, head_dim]  (after QK-norm and RoPE)
     k, v: float32  # [kv_rows, kv_heads, head_dim]  (kv_rows >= start_row + rows)
     returns: float32  # [rows, q_heads, head_dim]
     """
+    rows, q_heads = q.shape[:2]
+    end = start_row + rows
+    if q_heads * rows * end * 8 <= ATTENTION_SCORE_BYTES:
+        return _attention_block(q, k, v, start_row)
+    out = np.empty(q.shape, dtype=_F32)
+    at = start_row
+    while at < end:
+        stop = min(end, (at // ATTENTION_BLOCK_ROWS + 1) * ATTENTION_BLOCK_ROWS)
+        out[at - start_row:stop - start_row] = _attention_block(q[at - start_row:stop - start_row], k, v, at)
+        at = stop
+    return out
+
+
+def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_row: int) -> np.ndarray:
+    """`attention` of rows [start_row, start_row + len(q)) in one pass (shapes as there)."""
     rows, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = q_heads // kv_heads

@@ -184,6 +184,26 @@ def test_attention_matches_eager_with_offset():
     assert_close("attention", ref[0].numpy(), out, 1e-5, rel=True)
 
 
+def test_attention_past_the_score_budget_runs_in_absolute_row_blocks(monkeypatch):
+    """A chunk whose scores pass ATTENTION_SCORE_BYTES runs its query rows in blocks on absolute
+    multiples of ATTENTION_BLOCK_ROWS: each block's rows are exactly that block run alone, and the
+    whole agrees with the one-pass softmax to float32 rounding. (A 32K-row prompt on the tiny
+    server asked 16 GiB of scores at once and failed with MemoryError.)"""
+    rng = _rng(11)
+    total, start, heads, kv_heads, d = 150, 37, 4, 2, 8
+    q = rng.standard_normal((total - start, heads, d)).astype(np.float32)
+    k = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+    v = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+    whole = ops.attention(q, k, v, start)
+    monkeypatch.setattr(ops, "ATTENTION_SCORE_BYTES", 0)
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK_ROWS", 32)
+    blocked = ops.attention(q, k, v, start)
+    assert blocked.dtype == np.float32 and blocked.shape == whole.shape
+    for a, b in ((37, 64), (64, 96), (96, 128), (128, 150)):  # the blocks: cut at rows 64, 96, 128
+        assert np.array_equal(blocked[a - start:b - start], ops._attention_block(q[a - start:b - start], k, v, a))
+    np.testing.assert_allclose(blocked, whole, rtol=1e-6, atol=1e-6)
+    assert np.array_equal(whole, ops._attention_block(q, k, v, start))  # under the budget: one pass, as before
+
 def test_split_query_gate_and_output_gate():
     rng = _rng(5)
     heads, d = 3, 4

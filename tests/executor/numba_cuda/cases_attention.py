@@ -70,19 +70,23 @@ def test_decode_attention_lanes_with_splits():
 def test_decode_attention_grouped_heads_any_split_grid():
     """Three query heads per K/V head, 64 dims (two per lane), several keys per warp and
     split: matches the twin, and a split grid sized for a larger max_pos (as a CUDA graph
-    sizes it) gives the same bits."""
+    sizes it: here 4 splits of 16 keys for max_pos 63, against 3 for the lanes' 37) gives
+    the same bits. (Until session 42 the second grid was sized for max_pos 47, which makes
+    the same 3 splits: the check could not fail. One K/V head, not two, halves its cost
+    under the simulator.)"""
     r = rng()
-    heads, kv_heads, head_dim = 6, 2, 64
-    kh, vh = _cache(r, 2, 48, kv_heads, head_dim)
+    heads, kv_heads, head_dim, split_rows = 3, 1, 64, 16
+    kh, vh = _cache(r, 2, 64, kv_heads, head_dim)
     kc, vc = to_device(kh), to_device(vh)
     slots, positions = [1, 0, 1], [37, 5, 20]
     q = r.normal(size=(3, heads, head_dim)).astype(np.float32)
     qg = r.normal(size=(3, heads * 2 * head_dim)).astype(np.float32)
-    out = _run(q, qg, slots, positions, kc, vc, 1, 16)
+    out = _run(q, qg, slots, positions, kc, vc, 1, split_rows)
     for lane, (slot, pos) in enumerate(zip(slots, positions)):
         ref = _ref(q[lane : lane + 1], qg[lane : lane + 1], as_f32(kh[slot]), as_f32(vh[slot]), pos)
         assert_close(f"lane {lane}", ref, as_f32(out[lane : lane + 1]), TOL, rel=True)
-    np.testing.assert_array_equal(out, _run(q, qg, slots, positions, kc, vc, 1, 16, max_pos=47))
+    assert (max(positions) // split_rows + 1, 63 // split_rows + 1) == (3, 4)  # the two grids differ
+    np.testing.assert_array_equal(out, _run(q, qg, slots, positions, kc, vc, 1, split_rows, max_pos=63))
 
 
 def test_decode_rejects_what_its_loads_cannot_serve():
