@@ -250,13 +250,20 @@ class Runtime:
         raises is logged, not raised."""
         self._background.append((work, self._steps_run, key))
 
-    def submit(self, job: Job, sink: Callable[[Tokens | Done], None] | None = None) -> Handle:
+    def submit(self, job: Job, sink: Callable[[Tokens | Done], None] | None = None,
+               prompt: Prompt | None = None) -> Handle:
         """Queue `job`; returns its Handle. Raises Rejected with the scheduler's reason.
         sink: called with each event instead of queueing it on the Handle (from the loop
-        thread, during the step's commit or a cancel)."""
+        thread, during the step's commit or a cancel). prompt: `Prompt.from_tokens(job.prompt_ids)`
+        when the caller built it already (the engine process builds it from the packed ids
+        that crossed the pipe: `executor.engine._unwire`); ValueError when its rows are not
+        the job's."""
         if self._closing or self.broken:
             raise Rejected("shutting_down" if self._closing else "runtime_failed")
-        prompt = Prompt.from_tokens(job.prompt_ids)
+        if prompt is None:
+            prompt = Prompt.from_tokens(job.prompt_ids)
+        elif len(prompt) != len(job.prompt_ids):
+            raise ValueError(f"prompt has {len(prompt)} rows but the job {len(job.prompt_ids)} ids")
         conversation = self.conversations.match(prompt, job.starts) or self.conversations.new()
         self._next_id += 1
         rid = f"req-{self._next_id}"

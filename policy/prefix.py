@@ -31,6 +31,19 @@ def _token_payload(tokens: Sequence[int]) -> bytes:
     return b"t" + array("q", tokens).tobytes()
 
 
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as native int64 bytes (8 an id), the digest input of real runs. struct takes
+    any int-like with __index__; others go through int(). A bytes-like object is not taken as
+    packed ids: each of its bytes is one id. Raises TypeError or ValueError for an id int()
+    cannot convert, OverflowError for one outside int64."""
+    try:
+        if isinstance(token_ids, (bytes, bytearray, memoryview)):  # one id a byte, not raw int64s
+            raise TypeError
+        return struct.pack(f"={len(token_ids)}q", *token_ids)
+    except (struct.error, TypeError):  # not plain ints: convert each (int() raises as documented)
+        return array("q", [int(t) for t in token_ids]).tobytes()
+
+
 @attrs.frozen
 class Run:
     """One run of rows: `rows` rows named by `content_id`, or by `tokens` when real.
@@ -175,42 +188,59 @@ class Prompt:
         """A real prompt, cut into runs of BLOCK_ROWS absolute rows (the last one shorter).
 
         The same runs and digests as `Prompt(runs)` would give, built in one pass: the ids
-        are packed once as native int64 (struct, which takes any int-like with __index__)
-        and unpacked once into plain ints, each run holds a slice of that tuple, and each
-        digest input is a slice of the packed bytes. The runs are canonical already, so
-        their checks are skipped. The API's request path and the engine's submit run this
-        for every request: 3,522 ids took 213 us before session 21 (162 after), 2,036 ids
-        0.77 ms under a server's load before session 17 (bench/RESULTS.md). Raises TypeError or ValueError for an id
-        int() cannot convert, OverflowError for one outside int64."""
-        n = len(token_ids)
-        try:
-            if isinstance(token_ids, (bytes, bytearray, memoryview)):  # one id a byte, not raw int64s
-                raise TypeError
-            raw = struct.pack(f"={n}q", *token_ids)
-        except (struct.error, TypeError):  # not plain ints: convert each (int() raises as documented)
-            raw = array("q", [int(t) for t in token_ids]).tobytes()
-        ids = struct.unpack(f"={n}q", raw)  # plain ints, whatever int-likes came in
-        runs, ends, chain, digest = [], [0], [b""], b""
-        width = 8 * BLOCK_ROWS
-        new_run = object.__new__
-        for a in range(0, n, BLOCK_ROWS):
-            block = ids[a : a + BLOCK_ROWS]
-            run = new_run(Run)
-            object.__setattr__(run, "content_id", 0)
-            object.__setattr__(run, "rows", len(block))
-            object.__setattr__(run, "tokens", block)
-            runs.append(run)
-            digest = _hash(digest, b"t" + raw[8 * a : 8 * a + width])
-            ends.append(a + len(block))
-            chain.append(digest)
-        out = object.__new__(Prompt)
-        object.__setattr__(out, "runs", tuple(runs))
-        object.__setattr__(out, "_ends", tuple(ends))
-        object.__setattr__(out, "_chain", tuple(chain))
-        return out
+        are packed once as native int64 (`pack_tokens`) and unpacked once into plain ints,
+        each run holds a slice of that tuple, and each digest input is a slice of the packed
+        bytes. The runs are canonical already, so their checks are skipped. The engine's
+        submit runs this (or `from_packed`) for every request: 3,522 ids took 213 us before
+        session 21 (162 after), 2,036 ids 0.77 ms under a server's load before session 17
+        (bench/RESULTS.md). Raises TypeError or ValueError for an id int() cannot convert,
+        OverflowError for one outside int64."""
+        raw = pack_tokens(token_ids)
+        return _from_packed(raw, struct.unpack(f"={len(raw) // 8}q", raw))
+
+    @staticmethod
+    def from_packed(raw: bytes) -> tuple[Prompt, tuple[int, ...]]:
+        """A real prompt from its token ids packed as native int64 (`pack_tokens`'s bytes,
+        8 bytes an id), and those ids as a tuple of plain ints: `from_tokens` without the
+        packing, for ids that crossed a process boundary packed (`executor.engine`: a 32K-id
+        prompt pickles and unpickles as bytes in ~0.1 ms against ~1 ms as a tuple of ints, on
+        a 2-core VM). Raises ValueError when len(raw) is not a multiple of 8."""
+        if len(raw) % 8:
+            raise ValueError(f"packed token ids must be 8 bytes each, got {len(raw)} bytes")
+        ids = struct.unpack(f"={len(raw) // 8}q", raw)
+        return _from_packed(bytes(raw), ids), ids
 
     @staticmethod
     def synthetic(pieces: Iterable[tuple[int, int]]) -> Prompt:
         """A simulated prompt from (content_id, rows) pieces."""
         return Prompt(tuple(Run(cid, rows) for cid, rows in pieces))
 
+
+_RUN_CONTENT_ID = Run.__dict__["content_id"].__set__
+_RUN_ROWS = Run.__dict__["rows"].__set__
+_RUN_TOKENS = Run.__dict__["tokens"].__set__
+
+
+def _from_packed(raw: bytes, ids: tuple[int, ...]) -> Prompt:
+    """The real prompt of `ids` (plain ints) whose native int64 bytes are `raw`: runs of
+    BLOCK_ROWS absolute rows, each digest blake2b(previous + b"t" + the block's bytes) (as
+    `_hash` and `_token_payload` make it). The runs are built through their slots' setters:
+    they are canonical, so `Run`'s checks are skipped."""
+    n = len(ids)
+    width = 8 * BLOCK_ROWS
+    blake2b, new_run = hashlib.blake2b, object.__new__
+    runs, chain, digest = [], [b""], b""
+    for a in range(0, n, BLOCK_ROWS):
+        block = ids[a : a + BLOCK_ROWS]
+        run = new_run(Run)
+        _RUN_CONTENT_ID(run, 0)
+        _RUN_ROWS(run, len(block))
+        _RUN_TOKENS(run, block)
+        runs.append(run)
+        digest = blake2b(digest + b"t" + raw[8 * a : 8 * a + width], digest_size=DIGEST_BYTES).digest()
+        chain.append(digest)
+    out = object.__new__(Prompt)
+    object.__setattr__(out, "runs", tuple(runs))
+    object.__setattr__(out, "_ends", (*range(0, n, BLOCK_ROWS), n) if n else (0,))
+    object.__setattr__(out, "_chain", tuple(chain))
+    return out

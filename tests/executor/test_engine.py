@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from array import array
 from pathlib import Path
 
 import attrs
@@ -22,7 +23,7 @@ from aiohttp.test_utils import make_mocked_request
 from executor.api_schema import ApiError
 from executor.chat import ChatRenderer, load_template
 from executor.config import load_config
-from executor.engine import EngineClient, EngineFailed, _pack, _post, _unpack, _wire, reply_block
+from executor.engine import EngineClient, EngineFailed, _pack, _post, _unpack, _unwire, _wire, reply_block
 from executor.model import tiny_model_dir
 from executor.numba_cuda.device import is_gpu_available
 from executor.reference.backend import ReferenceBackend
@@ -33,6 +34,7 @@ from executor.serve import ServeConfig, run_engine
 from executor.server import Api, ApiConfig
 from executor.tokenizer import load_tokenizer
 from policy.config import PolicyConfig
+from policy.prefix import Prompt
 from tests.executor.serve_support import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -276,13 +278,35 @@ def test_start_failure_names_the_error_and_its_kind(tmp_path: Path):
 
 def test_only_chat_continuations_cross_the_pipe(renderer):
     job = _job(renderer)
-    wired = _wire(job)
+    wired, packed = _wire(job)
     assert wired.continuation.renderer is None and wired.continuation == job.continuation
-    assert _wire(attrs.evolve(job, continuation=None)).continuation is None
+    assert _wire(attrs.evolve(job, continuation=None))[0].continuation is None
     with pytest.raises(ValueError, match="ChatContinuation"):
         _wire(attrs.evolve(job, continuation=lambda text: None))
     with pytest.raises(RuntimeError, match="no renderer"):
         wired.continuation("hello")
+
+
+def test_prompt_ids_cross_the_pipe_packed_and_come_back_with_their_prompt(renderer):
+    """The ids leave the job and travel as native int64 bytes (8 an id); `_unwire` gives the job
+    back equal, its ids plain ints, with the `Prompt` that `Prompt.from_tokens` makes of them
+    (runs and digests); the job's other fields cross unchanged."""
+    job = attrs.evolve(_job(renderer), continuation=None, seed=7, max_tokens=5)
+    wired, packed = _wire(job)
+    assert wired.prompt_ids == () and len(packed) == 8 * len(job.prompt_ids)
+    assert packed == array("q", job.prompt_ids).tobytes()
+    here, there = multiprocessing.Pipe()
+    _post(here, ("submit", 3, wired, packed))
+    _, _, wired_back, packed_back = there.recv()
+    back, prompt = _unwire(wired_back, packed_back)
+    assert back == job and all(type(t) is int for t in back.prompt_ids)
+    assert prompt == Prompt.from_tokens(job.prompt_ids)
+    assert [prompt.digest(r) for r in range(len(prompt) + 1)] == [
+        Prompt.from_tokens(job.prompt_ids).digest(r) for r in range(len(prompt) + 1)]
+    with pytest.raises(ValueError, match="8 bytes each, got 5 bytes"):
+        _unwire(wired, b"12345")
+    here.close()
+    there.close()
 
 
 def test_events_cross_the_pipe_as_tuples_and_come_back_equal():
@@ -600,7 +624,8 @@ def test_the_engine_prewarms_each_chat_request_s_history(renderer):
         def defer(self, work, key=None):
             self.deferred.append((work, key))
 
-        def submit(self, job, sink):
+        def submit(self, job, sink, prompt=None):
+            assert prompt == Prompt.from_tokens(job.prompt_ids)  # built from the packed ids
             self.jobs.append(job)
             return type("H", (), {"id": f"req-{len(self.jobs)}", "conversation": "c", "prompt_tokens": 3})()
 
@@ -610,8 +635,8 @@ def test_the_engine_prewarms_each_chat_request_s_history(renderer):
         info = EngineInfo(backend="fake", context_rows=64, vocab_size=10, facts=BackendFacts())
         task = asyncio.get_running_loop().create_task(serve_engine(there, runtime, renderer, info))
         job = _job(renderer)
-        here.send(("submit", 1, _wire(job)))
-        here.send(("submit", 2, attrs.evolve(job, continuation=None)))
+        here.send(("submit", 1, *_wire(job)))
+        here.send(("submit", 2, *_wire(attrs.evolve(job, continuation=None))))
         here.send(("close",))
         await asyncio.wait_for(task, 10)
         return runtime

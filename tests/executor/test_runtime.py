@@ -246,6 +246,24 @@ def test_first_token_stop_and_stop_strings(model):
     assert done.reason == "stop" and done.text == "abc " == "".join(e.text for e in events)
 
 
+def test_submit_takes_a_prompt_built_already_and_refuses_one_of_other_rows(model):
+    """`submit(prompt=)` (the engine process's packed ids) serves as `from_tokens` would: a
+    second job with the same ids and its prompt given hits the first one's kept state; a prompt
+    of other rows is a ValueError before anything is queued."""
+    _, tok, _ = model
+
+    async def jobs(runtime, trace):
+        job = _job(tok, max_tokens=0)
+        a = await _collect(runtime.submit(job))
+        b = await _collect(runtime.submit(job, prompt=Prompt.from_tokens(job.prompt_ids)))
+        with pytest.raises(ValueError, match=f"prompt has 3 rows but the job {len(job.prompt_ids)} ids"):
+            runtime.submit(job, prompt=Prompt.from_tokens((1, 2, 3)))
+        return a[1], b[1], runtime.waiting
+
+    (a, b, waiting), _ = _run_jobs(model, _ids(tok, "hey"), jobs)
+    assert (a.cached_tokens, b.cached_tokens, waiting) == (0, b.prompt_tokens, 0)
+
+
 def test_prefill_only_and_full_hit(model):
     _, tok, _ = model
 

@@ -126,3 +126,21 @@ def test_from_tokens_converts_ids_that_are_not_plain_ints_and_refuses_non_number
         Prompt.from_tokens(["a", "b"])
     with pytest.raises(OverflowError):
         Prompt.from_tokens([1 << 70])
+
+
+def test_from_packed_is_from_tokens_of_the_packed_ids():
+    """`from_packed(pack_tokens(ids))` gives the prompt `from_tokens(ids)` gives (runs, row ends,
+    every digest) and the ids back as plain ints, for lengths around the block edges; bytes that
+    are not whole int64s are a ValueError."""
+    from policy.prefix import pack_tokens
+
+    for n in (0, 1, 63, 64, 65, 128, 300):
+        ids = TOKENS[:n] if n <= len(TOKENS) else TOKENS + tuple(range(n - len(TOKENS)))
+        prompt, back = Prompt.from_packed(pack_tokens(ids))
+        ref = Prompt.from_tokens(ids)
+        assert back == tuple(ids) and all(type(t) is int for t in back)
+        assert prompt == ref and prompt.run_ends == ref.run_ends and len(prompt) == n
+        assert [prompt.digest(r) for r in range(n + 1)] == [ref.digest(r) for r in range(n + 1)]
+    assert pack_tokens([_IntLike(5), 6]) == pack_tokens((5, 6)) and len(pack_tokens((5, 6))) == 16
+    with pytest.raises(ValueError, match="8 bytes each, got 12 bytes"):
+        Prompt.from_packed(b"x" * 12)
