@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from executor.config import Qwen35Config
-from executor.engine import EngineInfo, serve_engine
+from executor.engine import EngineInfo, serve_engine, submit_message
 from executor.runtime import Runtime
 from executor.sampling import SamplingParams, new_rng, sample
 from executor.stepper import Job
@@ -259,7 +259,7 @@ async def _serve(runtime: Runtime, backend: NullBackend, batches: Sequence[Seque
         for jobs in batches:
             marks.append(len(backend.calls))
             for token, job in enumerate(jobs):
-                api.send(("submit", token, job))
+                api.send(submit_message(token, job))
             while len(backend.calls) == marks[-1] or runtime.lanes_busy or runtime.waiting:
                 await asyncio.sleep(0.002)
         api.send(("close",))

@@ -151,6 +151,12 @@ def _wire(job: Job) -> tuple[Job, bytes]:
     return attrs.evolve(job, prompt_ids=(), continuation=continuation), pack_tokens(job.prompt_ids)
 
 
+def submit_message(token: int, job: Job) -> tuple:
+    """The "submit" message that hands `job` to the engine process under the API's `token`:
+    ("submit", token, the `_wire`d job, its packed prompt ids). Raises ValueError as `_wire`."""
+    return ("submit", token, *_wire(job))
+
+
 def _unwire(job: Job, packed: bytes) -> tuple[Job, Prompt]:
     """A `_wire`d job with its prompt ids back (plain ints), and the `Prompt` of those ids
     (`Runtime.submit`'s `prompt`), built from the packed bytes in one pass. Raises ValueError
@@ -223,8 +229,14 @@ async def serve_engine(conn: Any, runtime: Runtime, renderer: Any, info: EngineI
     def on_message(message: tuple) -> None:
         kind = message[0]
         if kind == "submit":
-            _, token, job, packed = message
-            job, prompt = _unwire(job, packed)
+            token = message[1]
+            try:
+                _, _, job, packed = message
+                job, prompt = _unwire(job, packed)
+            except (ValueError, TypeError, AttributeError) as exc:  # not `submit_message`'s shape
+                log.error("engine_malformed_submit", token=token, error=repr(exc))
+                send(("rejected", token, "malformed_submit"))
+                return
             if isinstance(job.continuation, ChatContinuation):
                 job = attrs.evolve(job, continuation=attrs.evolve(job.continuation, renderer=renderer))
             named: list[str] = []  # the request's id, known once submit returns (no event comes earlier)
@@ -374,7 +386,7 @@ class EngineClient:
         future = asyncio.get_running_loop().create_future()
         self._pending[token] = future
         try:
-            _post(self._conn, ("submit", token, *_wire(job)))
+            _post(self._conn, submit_message(token, job))
         except (OSError, BrokenPipeError):
             self._pending.pop(token, None)
             self._died()

@@ -689,3 +689,60 @@ def test_a_caller_gone_while_its_submit_waits_for_acceptance_cancels_the_request
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_malformed_submit_is_rejected_not_lost(renderer):
+    """A "submit" that is not `submit_message`'s shape (the 3-field message of before the ids
+    travelled packed, or ids whose bytes are not whole int64s) is answered ("rejected", its
+    token, "malformed_submit"), and the engine goes on to accept a well-formed one: before,
+    the unpacking raised inside the pipe's reader callback, the message was dropped, and the
+    sender (bench/host_cost.py's harness) waited forever."""
+    import multiprocessing
+
+    from executor.engine import EngineInfo, serve_engine, submit_message
+    from policy.usable import BackendFacts
+
+    class FakeRuntime:
+        lanes_busy = waiting = 0
+        broken = None
+        after_commit = None
+
+        def __init__(self):
+            self.jobs = []
+
+        async def start(self):
+            pass
+
+        async def close(self):
+            pass
+
+        def submit(self, job, sink, prompt=None):
+            self.jobs.append(job)
+            return type("H", (), {"id": "req-1", "conversation": "c", "prompt_tokens": len(job.prompt_ids)})()
+
+    job = attrs.evolve(_job(renderer), continuation=None)
+    wired, packed = _wire(job)
+
+    async def run():
+        here, there = multiprocessing.Pipe(duplex=True)
+        runtime = FakeRuntime()
+        info = EngineInfo(backend="fake", context_rows=64, vocab_size=10, facts=BackendFacts())
+        task = asyncio.get_running_loop().create_task(serve_engine(there, runtime, renderer, info))
+        here.send(("submit", 1, job))  # the old shape
+        here.send(("submit", 2, wired, packed[:-3]))  # 5 stray bytes past the last whole id
+        here.send(submit_message(3, job))
+        replies = []
+        while len(replies) < 3:
+            await asyncio.sleep(0.01)
+            while here.poll():
+                message = here.recv()
+                if message[0] in ("rejected", "accepted"):
+                    replies.append(message[:3])
+        here.send(("close",))
+        await asyncio.wait_for(task, 10)
+        return runtime, replies
+
+    runtime, replies = asyncio.run(asyncio.wait_for(run(), 20))
+    assert replies == [("rejected", 1, "malformed_submit"), ("rejected", 2, "malformed_submit"),
+                       ("accepted", 3, "req-1")]
+    assert runtime.jobs == [job]
