@@ -223,12 +223,12 @@ _RUN_TOKENS = Run.__dict__["tokens"].__set__
 
 def _from_packed(raw: bytes, ids: tuple[int, ...]) -> Prompt:
     """The real prompt of `ids` (plain ints) whose native int64 bytes are `raw`: runs of
-    BLOCK_ROWS absolute rows, each digest blake2b(previous + b"t" + the block's bytes) (as
-    `_hash` and `_token_payload` make it). The runs are built through their slots' setters:
-    they are canonical, so `Run`'s checks are skipped."""
+    BLOCK_ROWS absolute rows, each digest `_hash` of the previous one and b"t" + the block's
+    bytes (`_token_payload`'s payload, sliced from `raw` rather than packed again). The runs
+    are built through their slots' setters: they are canonical, so `Run`'s checks are skipped."""
     n = len(ids)
     width = 8 * BLOCK_ROWS
-    blake2b, new_run = hashlib.blake2b, object.__new__
+    new_run = object.__new__
     runs, chain, digest = [], [b""], b""
     for a in range(0, n, BLOCK_ROWS):
         block = ids[a : a + BLOCK_ROWS]
@@ -237,7 +237,7 @@ def _from_packed(raw: bytes, ids: tuple[int, ...]) -> Prompt:
         _RUN_ROWS(run, len(block))
         _RUN_TOKENS(run, block)
         runs.append(run)
-        digest = blake2b(digest + b"t" + raw[8 * a : 8 * a + width], digest_size=DIGEST_BYTES).digest()
+        digest = _hash(digest, b"t" + raw[8 * a : 8 * a + width])
         chain.append(digest)
     out = object.__new__(Prompt)
     object.__setattr__(out, "runs", tuple(runs))

@@ -158,12 +158,18 @@ def test_rope_matches_transformers(rotary_dim):
     assert np.array_equal(out[..., rotary_dim:], x[..., rotary_dim:])
 
 
-def test_attention_matches_eager_with_offset():
-    rng = _rng(4)
-    total, start, heads, kv_heads, d = 20, 12, 6, 2, 8
+def _attention_inputs(rng, total, start, heads, kv_heads, d):
+    """Random f32 q [total - start, heads, d] and k, v [total, kv_heads, d] (drawn in that order)."""
     q = rng.standard_normal((total - start, heads, d)).astype(np.float32)
     k = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
     v = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+    return q, k, v
+
+
+def test_attention_matches_eager_with_offset():
+    rng = _rng(4)
+    total, start, heads, kv_heads, d = 20, 12, 6, 2, 8
+    q, k, v = _attention_inputs(rng, total, start, heads, kv_heads, d)
     out = ops.attention(q, k, v, start)
 
     class M:
@@ -191,9 +197,7 @@ def test_attention_past_the_score_budget_runs_in_absolute_row_blocks(monkeypatch
     server asked 16 GiB of scores at once and failed with MemoryError.)"""
     rng = _rng(11)
     total, start, heads, kv_heads, d = 150, 37, 4, 2, 8
-    q = rng.standard_normal((total - start, heads, d)).astype(np.float32)
-    k = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
-    v = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+    q, k, v = _attention_inputs(rng, total, start, heads, kv_heads, d)
     whole = ops.attention(q, k, v, start)
     monkeypatch.setattr(ops, "ATTENTION_SCORE_BYTES", 0)
     monkeypatch.setattr(ops, "ATTENTION_BLOCK_ROWS", 32)
